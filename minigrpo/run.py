@@ -1,0 +1,48 @@
+"""The run folder: the config verbatim, one metrics line per step, every sample, and the adapter.
+
+    runs/<time>-<model>-<task>/
+        config.json      the resolved TrainConfig
+        metrics.jsonl    one JSON object per step
+        samples.jsonl    every completion with its prompt, reward parts and advantage
+        adapter/         PEFT format: PeftModel.from_pretrained(base, "adapter")
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from minigrpo.config import TrainConfig
+
+
+class RunFolder:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    @classmethod
+    def create(cls, cfg: TrainConfig) -> "RunFolder":
+        if cfg.output_dir is None:
+            name = Path(cfg.model.rstrip("/")).name
+            cfg.output_dir = str(Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}-{cfg.task}")
+        path = Path(cfg.output_dir)
+        if (path / "metrics.jsonl").exists():
+            raise FileExistsError(f"{path} already holds a run; pick another --output-dir")
+        path.mkdir(parents=True, exist_ok=True)
+        cfg.save(path / "config.json")
+        return cls(path)
+
+    def log(self, metrics: dict, samples: list[dict]) -> None:
+        with open(self.path / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        with open(self.path / "samples.jsonl", "a") as f:
+            f.writelines(json.dumps(s) + "\n" for s in samples)
+
+    def save_adapter(self, model) -> Path:
+        out = self.path / "adapter"
+        model.save_pretrained(out)
+        return out
+
+    def metrics(self) -> list[dict]:
+        path = self.path / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

@@ -1,0 +1,47 @@
+"""Addition of two one-digit numbers, scored on the last integer of the reply.
+
+Small enough that a 135M model learns it in a few dozen steps on a laptop cpu: SmolLM2-135M-Instruct
+gets it right in roughly a quarter of its samples before training, so groups have spread from step 1.
+
+>>> addition_reward(["3 + 4 is 7."], a=[3], b=[4])
+[1.0]
+>>> addition_reward(["The answer is 8"], a=[3], b=[4])
+[0.0]
+>>> addition_reward(["I am not sure."], a=[3], b=[4])
+[0.0]
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from minigrpo.tasks import Task
+
+INTEGER = re.compile(r"-?\d+")
+
+
+def addition_reward(completions: list[str], a: list[int], b: list[int], **kwargs) -> list[float]:
+    """1.0 when the last integer in the completion is a + b, else 0.0."""
+    scores = []
+    for completion, x, y in zip(completions, a, b):
+        found = INTEGER.findall(completion)
+        scores.append(1.0 if found and int(found[-1]) == x + y else 0.0)
+    return scores
+
+
+def make_data(split: str, seed: int) -> list[dict]:
+    """All 100 one-digit pairs, three phrasings each; the test split holds a quarter of the pairs out."""
+    pairs = [(a, b) for a in range(10) for b in range(10)]
+    random.Random(f"addition-{seed}").shuffle(pairs)
+    chosen = pairs[25:] if split == "train" else pairs[:25]
+    phrasings = ["What is {a} + {b}?", "Compute {a} plus {b}.", "Add {a} and {b}."]
+    return [{"prompt": p.format(a=a, b=b), "a": a, "b": b} for a, b in chosen for p in phrasings]
+
+
+TASK = Task(
+    name="addition",
+    description="one-digit addition, scored on the last number of the reply; learnable by a 135M model on cpu",
+    make_data=make_data,
+    rewards=[addition_reward],
+)

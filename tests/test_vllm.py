@@ -1,0 +1,103 @@
+"""The colocated vLLM engine, for real (vLLM's cpu build), on the tiny model with a 4-bit base."""
+
+import gc
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from minigrpo.config import TrainConfig  # noqa: E402
+from minigrpo.generation import Sampling  # noqa: E402
+from minigrpo.model import load_policy, load_tokenizer, token_logprobs  # noqa: E402
+from minigrpo.train import pad_batch, render_prompt  # noqa: E402
+from minigrpo.vllm_engine import VLLMGenerator  # noqa: E402
+
+TOL = 2e-3  # mean |engine - trainer| log-prob per token; fp32 on both sides, same dequantized base
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_path):
+    tokenizer = load_tokenizer(tiny_model_path)
+    policy = load_policy(TrainConfig(lora_rank=8), tiny_model_path)
+    engine = VLLMGenerator(policy, tokenizer, lora_rank=8, max_model_len=256, seed=0)
+    yield policy, tokenizer, engine
+    del engine
+    gc.collect()
+
+
+def trainer_logps(policy, prompt, completion):
+    ids, attention, mask = pad_batch([(prompt, completion)], 0, "cpu")
+    with torch.no_grad():
+        return token_logprobs(policy, ids, attention, len(completion))[0]
+
+
+def test_sync_is_real_and_the_engine_matches_the_trainer(setup):
+    policy, tokenizer, engine = setup
+    prompt = tokenizer(render_prompt(tokenizer, "What is 2 + 3?"), add_special_tokens=False).input_ids
+    completion = tokenizer("2 + 3 = 5. The answer is 5.", add_special_tokens=False).input_ids
+
+    before = trainer_logps(policy, prompt, completion)
+    engine_before = torch.tensor(engine.score([prompt + completion], len(completion))[0])
+    assert (engine_before - before).abs().mean() < TOL
+
+    # an optimizer step on the adapter (a large one, so the change is unmistakable)
+    params = [p for n, p in policy.named_parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=1.0)
+    ids, attention, _ = pad_batch([(prompt, completion)], 0, "cpu")
+    (-token_logprobs(policy, ids, attention, len(completion)).sum()).backward()
+    optimizer.step()
+    after = trainer_logps(policy, prompt, completion)
+    assert (after - before).abs().mean() > 0.05, "the step should move the policy"
+
+    stale = torch.tensor(engine.score([prompt + completion], len(completion))[0])
+    assert torch.allclose(stale, engine_before), "before a sync the engine still serves the old adapter"
+    engine.sync(policy)
+    synced = torch.tensor(engine.score([prompt + completion], len(completion))[0])
+    assert (synced - after).abs().mean() < TOL, "after a sync the engine matches the new policy"
+    assert (synced - before).abs().mean() > 10 * TOL, "and no longer the old one"
+
+
+def test_rollout_log_probs_match_the_trainer(setup):
+    policy, tokenizer, engine = setup
+    prompt = tokenizer(render_prompt(tokenizer, "Add 4 and 4."), add_special_tokens=False).input_ids
+    rollout = engine.generate([prompt], Sampling(n=4, max_new_tokens=16, temperature=0.8))
+    assert len(rollout.completion_ids) == 4 and len(rollout.sampler_logps) == 4
+    for ids, sampled, truncated in zip(rollout.completion_ids, rollout.sampler_logps, rollout.truncated):
+        assert len(ids) == len(sampled) and (len(ids) == 16) == truncated
+        ours = trainer_logps_at(policy, prompt, ids, temperature=0.8)
+        assert (ours - torch.tensor(sampled)).abs().mean() < TOL
+
+
+def trainer_logps_at(policy, prompt, completion, temperature):
+    ids, attention, _ = pad_batch([(prompt, completion)], 0, "cpu")
+    with torch.no_grad():
+        return token_logprobs(policy, ids, attention, len(completion), temperature)[0]
+
+
+def test_train_with_vllm_end_to_end(tmp_path, tiny_model_path, monkeypatch):
+    import vllm
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    from minigrpo import TrainConfig, train
+
+    calls = {"engine": 0, "adapter_load": 0}  # count the real calls, to prove nothing is reloaded per step
+    for owner, name, key in ((vllm.LLM, "__init__", "engine"), (WorkerLoRAManager, "_load_adapter", "adapter_load")):
+        real = getattr(owner, name)
+
+        def counted(*args, _real=real, _key=key, **kwargs):
+            calls[_key] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+
+    out = tmp_path / "run"
+    train(TrainConfig(generator="vllm", steps=3, num_generations=4, prompts_per_step=2, max_new_tokens=16,
+                      output_dir=str(out), sample_every=0, seed=3))
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 3
+    for m in metrics:
+        assert m["time/sync"] >= 0
+        assert 0 <= m["sampler_logprob_gap/mean"] < TOL and m["sampler_logprob_gap/max"] < 50 * TOL
+    assert calls == {"engine": 1, "adapter_load": 1}, calls
