@@ -7,6 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from minigrpo.config import PRESETS, TrainConfig
+from minigrpo.scoring import RewardError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="GRPO with a 4-bit base and LoRA adapters, on one consumer GPU (or a laptop cpu).")
@@ -17,7 +18,10 @@ PRESET_HELP = "[default: from the model preset]"
 @app.command()
 def train(
     model: str = typer.Option("smollm2-135m", help="Preset name (`minigrpo models`), hub id, or local folder."),
-    task: str = typer.Option("addition", help="Built-in task (`minigrpo tasks`)."),
+    task: str = typer.Option("addition", help="Built-in task, task .py file, data file, or hub dataset."),
+    reward: list[str] = typer.Option([], help="Extra reward function file.py:function (repeat)."),
+    reward_weight: list[float] = typer.Option([], help="One weight per reward function, the task's first (repeat)."),
+    strict_rewards: bool = typer.Option(False, help="Stop when a reward function raises (default: score 0)."),
     steps: int = typer.Option(30, help="Optimizer steps."),
     output_dir: str = typer.Option(None, help="Run folder [default: runs/<time>-<model>-<task>]."),
     num_generations: int = typer.Option(None, "--num-generations", "-G", help=f"Completions per prompt. {PRESET_HELP}"),
@@ -25,6 +29,19 @@ def train(
     max_new_tokens: int = typer.Option(None, help=f"Completion length limit. {PRESET_HELP}"),
     learning_rate: float = typer.Option(None, help=f"Adapter learning rate. {PRESET_HELP}"),
     beta: float = typer.Option(0.0, help="KL coefficient; 0 skips the reference pass."),
+    loss: str = typer.Option("dapo", help="grpo | dr_grpo | dapo | bnpo: a preset of the two knobs below."),
+    scale_rewards: str = typer.Option(None, help="group | batch | none [default: from --loss]."),
+    loss_aggregation: str = typer.Option(None, help="sequence | token | constant [default: from --loss]."),
+    epsilon: float = typer.Option(0.2, help="PPO clip range below 1."),
+    epsilon_high: float = typer.Option(None, help="PPO clip range above 1 (clip-higher) [default: --epsilon]."),
+    num_iterations: int = typer.Option(1, help="Optimizer passes per rollout (the ratio and clipping engage above 1)."),
+    mask_truncated: bool = typer.Option(False, help="Completions cut at the length limit do not count."),
+    filter_groups: bool = typer.Option(False, help="Drop groups with equal rewards and draw more prompts (DAPO)."),
+    max_filter_rounds: int = typer.Option(3, help="Extra generation rounds per step at most, with --filter-groups."),
+    retire_solved: int = typer.Option(0, help="Retire a prompt solved by every completion on K visits in a row."),
+    eval_every: int = typer.Option(0, help="Evaluate on the held-out split every N steps (0: never)."),
+    eval_prompts: int = typer.Option(64, help="Held-out prompts per evaluation."),
+    eval_samples: int = typer.Option(4, help="Samples per held-out prompt for the mean reward."),
     lora_rank: int = typer.Option(None, help=f"LoRA rank (alpha = 2 x rank). {PRESET_HELP}"),
     temperature: float = typer.Option(1.0, help="Sampling temperature."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling threshold."),
@@ -33,7 +50,8 @@ def train(
     gpu_memory_utilization: float = typer.Option(0.3, help="The vLLM engine's share of GPU memory."),
     tis_cap: float = typer.Option(2.0, help="Cap of the truncated importance-sampling weight (0: off)."),
     seed: int = typer.Option(0, help="Seed for data order, sampling and initialisation."),
-    no_4bit: bool = typer.Option(False, "--no-4bit", help="Load the base in 16-bit (32-bit on cpu) instead of nf4."),
+    load_in_4bit: bool = typer.Option(None, "--4bit/--no-4bit",
+                                      help="nf4 base, or 16-bit (32-bit on cpu) [default: 4-bit on GPU, 32-bit on cpu]."),
     no_gradient_checkpointing: bool = typer.Option(False, "--no-gradient-checkpointing",
                                                    help="Faster steps, more activation memory."),
     sample_every: int = typer.Option(5, help="Show a sampled completion every N steps (0: never)."),
@@ -43,16 +61,67 @@ def train(
 
     try:
         cfg = TrainConfig(
-            model=model, task=task, steps=steps, output_dir=output_dir, num_generations=num_generations,
+            model=model, task=task, rewards=reward, reward_weights=reward_weight or None,
+            strict_rewards=strict_rewards, steps=steps, output_dir=output_dir, num_generations=num_generations,
             prompts_per_step=prompts_per_step, max_new_tokens=max_new_tokens, learning_rate=learning_rate,
-            beta=beta, lora_rank=lora_rank, temperature=temperature, top_p=top_p,
+            beta=beta, loss=loss, scale_rewards=scale_rewards, loss_aggregation=loss_aggregation, epsilon=epsilon,
+            epsilon_high=epsilon_high, num_iterations=num_iterations, mask_truncated=mask_truncated,
+            filter_groups=filter_groups, max_filter_rounds=max_filter_rounds, retire_solved=retire_solved,
+            eval_every=eval_every, eval_prompts=eval_prompts, eval_samples=eval_samples, lora_rank=lora_rank, temperature=temperature, top_p=top_p,
             micro_batch_size=micro_batch_size, generator=generator,
-            gpu_memory_utilization=gpu_memory_utilization, tis_cap=tis_cap, seed=seed, load_in_4bit=not no_4bit,
+            gpu_memory_utilization=gpu_memory_utilization, tis_cap=tis_cap, seed=seed, load_in_4bit=load_in_4bit,
             gradient_checkpointing=not no_gradient_checkpointing, sample_every=sample_every,
         )
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
-    run_training(cfg)
+    try:
+        run_training(cfg)
+    except (RewardError, ValueError, FileNotFoundError) as error:
+        Console(stderr=True).print(f"[bold red]error[/]: {error}", highlight=False)
+        raise typer.Exit(1) from None
+
+
+@app.command("eval")
+def eval_command(
+    task: str = typer.Option(..., help="Built-in task, task .py file, data file, or hub dataset."),
+    adapter: str = typer.Option(None, help="A trained adapter folder (runs/<run>/adapter); none: the base model."),
+    model: str = typer.Option(None, help="Base model [default: the adapter's run config, else smollm2-135m]."),
+    reward: list[str] = typer.Option([], help="Extra reward function file.py:function (repeat)."),
+    prompts: int = typer.Option(64, help="Held-out prompts."),
+    samples: int = typer.Option(4, help="Samples per prompt for the mean reward."),
+    max_new_tokens: int = typer.Option(None, help="Completion length limit [default: the run's, else the preset's]."),
+    out: str = typer.Option(None, help="Folder for eval.jsonl [default: the adapter's run folder]."),
+    seed: int = typer.Option(0),
+) -> None:
+    """Evaluate the base model or a trained adapter on the task's held-out split: pass@1 and mean reward."""
+    from pathlib import Path
+
+    from minigrpo.evaluate import Evaluator
+    from minigrpo.generation import HFGenerator
+    from minigrpo.model import load_policy, load_tokenizer, resolve_weights
+    from minigrpo.tasks import get_task
+    from minigrpo.train import seed_everything
+
+    run_dir = Path(adapter).parent if adapter else None
+    base = TrainConfig.load(run_dir / "config.json") if run_dir and (run_dir / "config.json").exists() else None
+    cfg = TrainConfig(model=model or (base.model if base else "smollm2-135m"), task="addition", seed=seed,
+                      max_new_tokens=max_new_tokens or (base.max_new_tokens if base else None),
+                      temperature=base.temperature if base else 1.0, eval_prompts=prompts, eval_samples=samples,
+                      load_in_4bit=base.load_in_4bit if base else None,
+                      lora_rank=1)
+    seed_everything(seed)
+    t = get_task(task, reward)
+    weights_path = resolve_weights(cfg.hub_id)
+    tokenizer = load_tokenizer(weights_path)
+    policy = load_policy(cfg, weights_path)
+    if adapter:
+        policy.load_adapter(adapter, adapter_name="trained")
+        policy.set_adapter("trained")
+    result = Evaluator(cfg, t, t.weights, tokenizer, HFGenerator(policy, tokenizer), out or run_dir)(None)
+    Console().print(f"{'adapter ' + adapter if adapter else 'base model ' + cfg.model} on {t.name}: "
+                    f"pass@1 {result['pass@1']:.3f} ± {result['pass@1/stderr']:.3f}, mean reward "
+                    f"{result['reward/mean']:.3f} ± {result['reward/stderr']:.3f} "
+                    f"({result['prompts']} prompts x {result['samples_per_prompt']} samples)", highlight=False)
 
 
 @app.command()
@@ -72,13 +141,81 @@ def tasks() -> None:
     """List the built-in tasks."""
     from rewards import TASKS
 
-    table = Table(title="built-in tasks")
-    table.add_column("task")
+    table = Table(title="built-in tasks (--task NAME)")
+    table.add_column("task", no_wrap=True)
     table.add_column("reward functions")
     table.add_column("what it is")
     for name, task in TASKS.items():
         table.add_row(name, ", ".join(task.reward_names), task.description)
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    console.print("rewards to add to any task: --reward rewards.format:format_reward (think/answer structure); "
+                  "rewards.length:overlong_penalty(...) from Python. Your own: --reward file.py:function.")
+
+
+@app.command("check-reward")
+def check_reward(
+    task: str = typer.Option(..., help="Built-in task, task .py file, data file, or hub dataset."),
+    reward: list[str] = typer.Option([], help="Extra reward function file.py:function (repeat)."),
+    model: str = typer.Option("smollm2-135m", help="The model to sample completions from."),
+    prompts: int = typer.Option(4, help="Prompts to sample completions for."),
+    samples: int = typer.Option(4, help="Completions per prompt."),
+    max_new_tokens: int = typer.Option(None, help="Completion length limit [default: from the model preset]."),
+    no_model: bool = typer.Option(False, "--no-model", help="Only the worked examples and the data; load no model."),
+    seed: int = typer.Option(0),
+) -> None:
+    """Run the rewards on worked examples and on sampled completions; warn about broken or useless ones."""
+    from minigrpo.check import check_examples, check_rewards, print_report
+    from minigrpo.tasks import get_task
+
+    console = Console()
+    t = get_task(task, reward)
+    rows = t.make_data("train", seed)[:prompts]
+    for problem in check_examples(t):
+        console.print(f"[red]worked example[/]: {problem}", highlight=False)
+    if t.examples:
+        example_rows = [{k: v for k, v in e.items() if k not in ("completion", "expected")} for e in t.examples]
+        print_report(check_rewards(t, example_rows, [e["completion"] for e in t.examples], judge_spread=False),
+                     f"{t.name}: worked examples", console)
+    if no_model:
+        return
+    from minigrpo.generation import HFGenerator, Sampling
+    from minigrpo.model import load_policy, load_tokenizer, resolve_weights
+    from minigrpo.train import render_prompt, seed_everything
+
+    seed_everything(seed)
+    cfg = TrainConfig(model=model, task="addition", max_new_tokens=max_new_tokens, lora_rank=1)
+    weights = resolve_weights(cfg.hub_id)
+    tokenizer = load_tokenizer(weights)
+    policy = load_policy(cfg, weights)  # its fresh adapter is zero: this samples the base model
+    prompt_ids = [tokenizer(render_prompt(tokenizer, r["prompt"]), add_special_tokens=False).input_ids for r in rows]
+    rollout = HFGenerator(policy, tokenizer).generate(prompt_ids, Sampling(samples, cfg.max_new_tokens))
+    completions = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+    sampled_rows = [r for r in rows for _ in range(samples)]
+    print_report(check_rewards(t, sampled_rows, completions),
+                 f"{t.name}: {len(completions)} completions sampled from {model}", console)
+    console.print(f"[bold]a sample[/]: {completions[0]!r}", highlight=False)
+
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figures.")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("compare")
+def bench_compare(
+    variant: list[str] = typer.Option(..., help="NAME:key=value,key=value (repeat; the first is the baseline)."),
+    set_: list[str] = typer.Option([], "--set", help="key=value for every variant (repeat)."),
+    steps: int = typer.Option(4, help="Steps per run; the first is left out of the medians."),
+    rounds: int = typer.Option(1, help="Runs per variant, taken in turns."),
+) -> None:
+    """Train the same run under several variants, side by side: seconds per step, sync, memory, ratios."""
+    from minigrpo.bench import compare, parse_settings
+
+    variants = {}
+    for item in variant:
+        name, _, settings = item.partition(":")
+        variants[name] = parse_settings([s for s in settings.split(",") if s])
+    compare(variants, {**parse_settings(set_), "steps": steps}, rounds)
 
 
 def main() -> None:

@@ -52,7 +52,9 @@ class TrainConfig:
     seed: int = 0  # seeds python, numpy, torch and the task data
 
     # the policy: a 4-bit base with LoRA adapters on every linear projection of the blocks
-    load_in_4bit: bool = True  # nf4 base via bitsandbytes; False loads 16-bit (32-bit on cpu)
+    # nf4 base via bitsandbytes, or 16-bit (32-bit on cpu). None: 4-bit on a GPU, 32-bit on cpu, where
+    # bitsandbytes dequantizes on every matmul and measured slower and no leaner for small models
+    load_in_4bit: bool | None = None
     lora_rank: int | None = None  # None: from the preset
     lora_alpha: int | None = None  # None: twice the rank
     gradient_checkpointing: bool = True  # recompute activations in backward: less memory, ~20% slower
@@ -69,16 +71,30 @@ class TrainConfig:
     gpu_memory_utilization: float = 0.3  # the vllm engine's share of GPU memory (weights + kv cache)
     tis_cap: float = 2.0  # truncated importance sampling: cap on trainer/sampler probability ratios; 0 off
 
-    # objective
+    # objective (minigrpo/loss.py has the formulas)
     learning_rate: float | None = None  # None: from the preset
     beta: float = 0.0  # weight of the k3 KL to the reference; 0 skips the reference pass entirely
+    loss: str = "dapo"  # preset of the two knobs below: grpo, dr_grpo, dapo, bnpo
+    scale_rewards: str | None = None  # advantages divided by the std of: "group", "batch", "none"; None: preset
+    loss_aggregation: str | None = None  # "sequence", "token" or "constant"; None: from the loss preset
     epsilon: float = 0.2  # ppo clip range below 1
-    epsilon_high: float | None = None  # ppo clip range above 1; None: same as epsilon
-    scale_rewards: str = "group"  # advantages divided by the std of: "group", "batch", or "none"
-    loss_aggregation: str = "sequence"  # "sequence" (mean per completion), "token", or "constant"
+    epsilon_high: float | None = None  # ppo clip range above 1 (dapo's clip-higher: 0.28); None: epsilon
+    num_iterations: int = 1  # optimizer passes per rollout; above 1 the ratio and clipping engage
+    mask_truncated: bool = False  # completions cut at max_new_tokens do not count in the loss
     max_grad_norm: float = 1.0  # clip the adapter's gradient norm; 0 disables
     weight_decay: float = 0.0  # adamw weight decay on the adapter
     warmup_steps: int = 0  # linear learning-rate warmup, then constant
+
+    # which groups and prompts to train on
+    filter_groups: bool = False  # drop groups whose rewards are all equal, draw more prompts to refill
+    max_filter_rounds: int = 3  # extra generation rounds per step at most, with filter_groups
+    retire_solved: int = 0  # a prompt solved by every completion on this many visits in a row retires; 0 off
+    solved_reward: float = 1.0  # the total reward at which a completion counts as solved
+
+    # evaluation on the task's held-out split
+    eval_every: int = 0  # evaluate every this many steps (and at the end); 0 never
+    eval_prompts: int = 64  # held-out prompts per evaluation (at most the split's size)
+    eval_samples: int = 4  # samples per prompt for the mean reward (plus one greedy for pass@1)
 
     # memory
     micro_batch_size: int = 8  # completions per forward/backward; gradients accumulate across them
@@ -86,7 +102,9 @@ class TrainConfig:
 
     # console and logs
     sample_every: int = 5  # show one sampled completion every this many steps; 0 never
+    rewards: list[str] = field(default_factory=list)  # extra reward functions, "file.py:function"
     reward_weights: list[float] | None = None  # one weight per reward function; None: the task's own
+    strict_rewards: bool = False  # a reward function that raises stops the run (default: scores 0, counted)
 
     preset: dict = field(default_factory=dict, repr=False)  # the preset values used, kept for the record
 
@@ -98,6 +116,17 @@ class TrainConfig:
                 setattr(self, name, getattr(p, name))
         if self.lora_alpha is None:
             self.lora_alpha = 2 * self.lora_rank
+        from minigrpo.loss import PRESETS as LOSSES
+
+        if self.loss not in LOSSES:
+            raise ValueError(f"bad config: loss must be one of {', '.join(LOSSES)}, not {self.loss!r}")
+        for knob, value in LOSSES[self.loss].items():
+            if getattr(self, knob) is None:
+                setattr(self, knob, value)
+        if self.load_in_4bit is None:
+            import torch
+
+            self.load_in_4bit = torch.cuda.is_available()
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         self.validate()
@@ -123,6 +152,11 @@ class TrainConfig:
             (self.loss_aggregation in ("sequence", "token", "constant"),
              "loss_aggregation must be sequence, token or constant"),
             (self.micro_batch_size >= 1, "micro_batch_size must be at least 1"),
+            (self.num_iterations >= 1, "num_iterations must be at least 1"),
+            (self.max_filter_rounds >= 0, "max_filter_rounds must be >= 0"),
+            (self.retire_solved >= 0, "retire_solved must be >= 0 (0 turns the curriculum off)"),
+            (self.eval_every >= 0 and self.eval_prompts >= 1 and self.eval_samples >= 1,
+             "eval_every must be >= 0, eval_prompts and eval_samples at least 1"),
             (self.logprob_chunk_size >= 1, "logprob_chunk_size must be at least 1"),
             (self.lora_rank >= 1, "lora_rank must be at least 1"),
         ]

@@ -29,11 +29,21 @@ class Display:
         self.progress.console.print(*args, **kwargs)
 
     def step(self, m: dict) -> None:
+        if m.get("skipped"):
+            self.print(f"step {m['step']:>4}  skipped: no group had reward spread after "
+                       f"{m['filter/extra_rounds']} extra rounds", highlight=False)
+            self.progress.update(self.task, completed=m["step"])
+            return
         line = (f"step {m['step']:>4}  reward {m['reward/mean']:.3f} ± {m['reward/std']:.3f}  "
                 f"spread {m['frac_groups_reward_differs']:.2f}  loss {m['loss']:+.4f}  kl {m['kl']:.4f}  "
                 f"len {m['completion_len/mean']:.0f}  {m['time/step']:.1f}s  {m['mem/peak_gb']:.1f}GB")
         self.print(line, highlight=False)
         self.progress.update(self.task, completed=m["step"])
+
+    def eval(self, r: dict) -> None:
+        self.print(f"[bold]eval[/] step {r['step']}: pass@1 {r['pass@1']:.3f} ± {r['pass@1/stderr']:.3f}  "
+                   f"mean reward {r['reward/mean']:.3f} ± {r['reward/stderr']:.3f} "
+                   f"({r['prompts']} held-out prompts x {r['samples_per_prompt']} samples)", highlight=False)
 
     def sample(self, step: int, sample: dict) -> None:
         parts = "  ".join(f"{k} {v:.2f}" for k, v in sample["reward_parts"].items())

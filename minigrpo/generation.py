@@ -17,7 +17,7 @@ import torch
 class Sampling:
     n: int  # completions per prompt (G)
     max_new_tokens: int
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
 
 
@@ -56,7 +56,7 @@ class HFGenerator:
         try:
             out = self.model.generate(
                 input_ids=input_ids.to(self.model.device), attention_mask=attention.to(self.model.device),
-                do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0,
+                **greedy_or_sampled(sampling),
                 max_new_tokens=sampling.max_new_tokens, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
                 use_cache=True,
             )  # [B, Lp + T]
@@ -68,6 +68,12 @@ class HFGenerator:
             completions.append(row if end is None else row[:end + 1])  # keep eos: the model learns to stop
             truncated.append(end is None)
         return Rollout(completions, truncated)
+
+
+def greedy_or_sampled(sampling: Sampling) -> dict:
+    if sampling.temperature == 0:
+        return dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    return dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
 
 
 def _eos_ids(model, tokenizer) -> list[int]:

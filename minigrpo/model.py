@@ -170,8 +170,9 @@ def lora_parameters(model) -> list[torch.nn.Parameter]:
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
-                   temperature: float = 1.0, chunk_size: int = 128) -> torch.Tensor:
-    """Log-probs of the last `n_completion` tokens of each row, under `model`, at `temperature`.
+                   temperature: float = 1.0, chunk_size: int = 128, with_entropy: bool = False):
+    """Log-probs of the last `n_completion` tokens of each row, under `model`, at `temperature`
+    (and, with `with_entropy`, the policy's entropy at each of those positions, detached).
 
     The full-vocabulary logits are never held for the whole batch: hidden states go through the lm
     head `chunk_size` positions at a time, and each chunk is checkpointed, so backward recomputes its
@@ -183,15 +184,18 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     hidden = hidden[:, -n_completion - 1:-1]  # [B, T, H]: position t predicts completion token t
     targets = input_ids[:, -n_completion:]  # [B, T]
     head = inner.get_output_embeddings()
-    parts = []
+    logps, entropies = [], []
     for start in range(0, n_completion, chunk_size):
         h = hidden[:, start:start + chunk_size]  # [B, c, H]
         t = targets[:, start:start + chunk_size]  # [B, c]
         if torch.is_grad_enabled():
-            parts.append(checkpoint(_chunk_logprobs, head, h, t, temperature, use_reentrant=False))
+            logp, entropy = checkpoint(_chunk_logprobs, head, h, t, temperature, with_entropy, use_reentrant=False)
         else:
-            parts.append(_chunk_logprobs(head, h, t, temperature))
-    return torch.cat(parts, dim=1)  # [B, T]
+            logp, entropy = _chunk_logprobs(head, h, t, temperature, with_entropy)
+        logps.append(logp)
+        entropies.append(entropy)
+    logps = torch.cat(logps, dim=1)  # [B, T]
+    return (logps, torch.cat(entropies, dim=1)) if with_entropy else logps
 
 
 def positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -199,10 +203,16 @@ def positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
 
 
-def _chunk_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+def _chunk_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
     logits = head(hidden).float() / temperature  # [B, c, V]
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [B, c]
-    return picked - torch.logsumexp(logits, dim=-1)  # [B, c]
+    normalizer = torch.logsumexp(logits, dim=-1)  # [B, c]
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normalizer  # [B, c]
+    entropy = torch.zeros_like(logp)  # [B, c]
+    if with_entropy:
+        with torch.no_grad():
+            probs = torch.softmax(logits, dim=-1)  # [B, c, V]
+            entropy = normalizer - (probs * logits).sum(-1)  # [B, c]: H = logsumexp - E_p[logit]
+    return logp, entropy
 
 
 def full_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,

@@ -5,7 +5,8 @@
 
 What it keeps of GRPO (DeepSeekMath): groups of G samples per prompt, advantages relative to the group,
 the PPO-clipped ratio against the sampling-time policy, and an optional k3 KL to the reference (the base
-with its adapters disabled). What it drops: a value model, and a separate reference copy.
+with its adapters disabled). What it drops: a value model, and a separate reference copy. The loss
+variants (Dr. GRPO, DAPO, BNPO) are settings of two knobs in minigrpo/loss.py, not code paths here.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import random
 import resource
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,16 +26,22 @@ from minigrpo.console import Display
 from minigrpo.generation import Generator, Sampling, make_generator
 from minigrpo.model import load_policy, load_tokenizer, lora_parameters, resolve_weights, token_logprobs
 from minigrpo.run import RunFolder
-from minigrpo.tasks import Task, get_task, score
+from minigrpo.scoring import Scores, score
+from minigrpo.tasks import Task, get_task
+
+GAP_WARNING = 0.05  # mean |sampler - trainer| log-prob per token above which the engine is out of sync
 
 
 def train(cfg: TrainConfig) -> Path:
     """Train a LoRA adapter with GRPO as `cfg` says; returns the run folder."""
     seed_everything(cfg.seed)
-    task = get_task(cfg.task)
-    weights = cfg.reward_weights or task.weights or [1.0] * len(task.rewards)
+    task = get_task(cfg.task, cfg.rewards)
+    weights = cfg.reward_weights or task.weights
     if len(weights) != len(task.rewards):
-        raise ValueError(f"{len(weights)} reward weights for {len(task.rewards)} reward functions of {task.name}")
+        raise ValueError(f"{len(weights)} reward weights for the {len(task.rewards)} reward functions "
+                         f"{task.reward_names}")
+    train_rows = task.make_data("train", cfg.seed)
+    precheck_rewards(task, weights, train_rows)  # a broken reward stops here, before any model loads
     run = RunFolder.create(cfg)
     display = Display(cfg.steps)
     display.print(f"[bold]minigrpo[/] {cfg.model} on {task.name}: {cfg.prompts_per_step} prompts x "
@@ -42,135 +50,257 @@ def train(cfg: TrainConfig) -> Path:
     weights_path = resolve_weights(cfg.hub_id)
     tokenizer = load_tokenizer(weights_path)
     model = load_policy(cfg, weights_path)
-    params = lora_parameters(model)
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(lora_parameters(model), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
     generator = make_generator(cfg, model, tokenizer)
-    prompts = PromptSampler(task.make_data("train", cfg.seed), cfg.seed)
+    prompts = PromptPool(train_rows, cfg.seed, cfg.retire_solved)
+    evaluate = None
+    if cfg.eval_every:
+        from minigrpo.evaluate import Evaluator
+
+        evaluate = Evaluator(cfg, task, weights, tokenizer, generator, run.path)
 
     step = 0
     try:
         with display:
             for step in range(1, cfg.steps + 1):
-                rows = prompts.draw(cfg.prompts_per_step)
                 metrics, samples = train_step(cfg, step, model, tokenizer, generator, optimizer, scheduler,
-                                              task, weights, rows)
+                                              task, weights, prompts)
                 run.log(metrics, samples)
                 display.step(metrics)
-                if cfg.sample_every and (step == 1 or step % cfg.sample_every == 0):
+                if metrics.get("sampler_logprob_gap/mean", 0.0) > GAP_WARNING:
+                    display.print(f"[bold red]warning[/]: the generator's log-probs differ from the trainer's by "
+                                  f"{metrics['sampler_logprob_gap/mean']:.3f} per token on average: its weights "
+                                  f"are stale or wrong, and samples are off-policy")
+                if cfg.sample_every and samples and (step == 1 or step % cfg.sample_every == 0):
                     display.sample(step, random.Random(step).choice(samples))
+                if evaluate and (step % cfg.eval_every == 0 or step == cfg.steps):
+                    display.eval(evaluate(step))
     except KeyboardInterrupt:
         display.print(f"[yellow]interrupted during step {step}; saving the adapter[/]")
+    except Exception:
+        display.print(f"[red]step {step} failed; saving the adapter of step {step - 1} before stopping[/]")
+        run.save_adapter(model)
+        raise
     adapter = run.save_adapter(model)
     display.print(f"adapter saved to {adapter}")
     return run.path
 
 
-def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generator, optimizer, scheduler,
-               task: Task, weights: list[float], rows: list[dict]) -> tuple[dict, list[dict]]:
-    """One GRPO step on `rows` (one dict per prompt); returns the step's metrics and its samples."""
-    G = cfg.num_generations
-    t0 = time.perf_counter()
+@dataclass
+class Groups:
+    """Completions for some prompts, G per prompt, in group order, with their scores."""
+    rows: list[dict]  # [P] data rows
+    prompt_ids: list[list[int]]  # [P]
+    completion_ids: list[list[int]]  # [B = P x G]
+    completions: list  # [B] decoded text
+    truncated: list[bool]  # [B]
+    sampler_logps: list[list[float]] | None  # [B], from engines that report them
+    scores: Scores
+    generate_s: float = 0.0  # seconds spent sampling these
+    reward_s: float = 0.0  # seconds spent scoring them
 
-    # 1. sample G completions per prompt
+    def select(self, groups: list[int], G: int) -> "Groups":
+        rows = [i * G + j for i in groups for j in range(G)]
+        pick = lambda xs: [xs[i] for i in rows] if xs is not None else None  # noqa: E731
+        scores = Scores([self.scores.totals[i] for i in rows], {k: pick(v) for k, v in self.scores.values.items()},
+                        {k: pick(v) for k, v in self.scores.parts.items()}, dict(self.scores.errors))
+        return Groups([self.rows[i] for i in groups], [self.prompt_ids[i] for i in groups], pick(self.completion_ids),
+                      pick(self.completions), pick(self.truncated), pick(self.sampler_logps), scores,
+                      self.generate_s, self.reward_s)
+
+    def __add__(self, other: "Groups") -> "Groups":
+        both = lambda a, b: a + b if a is not None and b is not None else None  # noqa: E731
+        merged = lambda a, b: {k: a.get(k, [None] * len(self.completions)) + b.get(k, [None] * len(other.completions))
+                               for k in a.keys() | b.keys()}  # noqa: E731
+        errors = {k: self.scores.errors.get(k, 0) + other.scores.errors.get(k, 0)
+                  for k in self.scores.errors.keys() | other.scores.errors.keys()}
+        scores = Scores(self.scores.totals + other.scores.totals, merged(self.scores.values, other.scores.values),
+                        merged(self.scores.parts, other.scores.parts), errors)
+        return Groups(self.rows + other.rows, self.prompt_ids + other.prompt_ids,
+                      self.completion_ids + other.completion_ids, self.completions + other.completions,
+                      self.truncated + other.truncated, both(self.sampler_logps, other.sampler_logps), scores,
+                      self.generate_s + other.generate_s, self.reward_s + other.reward_s)
+
+
+def rollout(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, weights: list[float],
+            rows: list[dict]) -> Groups:
+    """G completions for each row's prompt, decoded and scored."""
+    G = cfg.num_generations
     prompt_texts = [render_prompt(tokenizer, row["prompt"]) for row in rows]
     prompt_ids = [tokenizer(text, add_special_tokens=False).input_ids for text in prompt_texts]
     for row, ids in zip(rows, prompt_ids):
         if len(ids) > cfg.max_prompt_tokens:
             raise ValueError(f"a prompt of {len(ids)} tokens is longer than max_prompt_tokens="
                              f"{cfg.max_prompt_tokens}: {str(row['prompt'])[:80]!r}...")
-    rollout = generator.generate(prompt_ids, Sampling(G, cfg.max_new_tokens, cfg.temperature, cfg.top_p))
-    completions = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
-    t_generate = time.perf_counter()
+    t0 = time.perf_counter()
+    out = generator.generate(prompt_ids, Sampling(G, cfg.max_new_tokens, cfg.temperature, cfg.top_p))
+    t1 = time.perf_counter()
+    completions = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+    if isinstance(rows[0]["prompt"], list):  # chat-format data gets chat-format completions, as in TRL
+        completions = [[{"role": "assistant", "content": c}] for c in completions]
+    scores = score(task.rewards, weights, [rows[i // G]["prompt"] for i in range(len(completions))], completions,
+                   out.completion_ids, [rows[i // G] for i in range(len(completions))], strict=cfg.strict_rewards)
+    return Groups(rows, prompt_ids, out.completion_ids, completions, out.truncated, out.sampler_logps, scores,
+                  t1 - t0, time.perf_counter() - t1)
 
-    # 2. score them, and turn rewards into advantages within each group
-    group_rows = [row for row in rows for _ in range(G)]
-    group_prompts = [text for text in prompt_texts for _ in range(G)]
-    rewards, parts = score(task, weights, group_prompts, completions, rollout.completion_ids, group_rows)
-    rewards = torch.tensor(rewards)  # [B]
+
+def collect(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, weights: list[float],
+            prompts: "PromptPool") -> tuple[Groups, dict]:
+    """The step's groups. With filter_groups, groups whose rewards are all equal (no gradient) are
+    dropped and more prompts are drawn, for at most max_filter_rounds extra rounds (DAPO's dynamic sampling)."""
+    G = cfg.num_generations
+    batch = rollout(cfg, tokenizer, generator, task, weights, prompts.draw(cfg.prompts_per_step))
+    prompts.record(batch.rows, batch.scores.totals, G, cfg.solved_reward)
+    spread = L.groups_with_spread(torch.tensor(batch.scores.totals), G).tolist()
+    info = {"frac_groups_reward_differs": float(np.mean(spread)), "filter/extra_rounds": 0,
+            "tokens_generated": sum(map(len, batch.completion_ids)),
+            "generate_s": batch.generate_s, "reward_s": batch.reward_s}
+    if not cfg.filter_groups:
+        return batch, info
+    kept = batch.select([i for i, s in enumerate(spread) if s], G)
+    while len(kept.rows) < cfg.prompts_per_step and info["filter/extra_rounds"] < cfg.max_filter_rounds:
+        info["filter/extra_rounds"] += 1
+        more = rollout(cfg, tokenizer, generator, task, weights, prompts.draw(cfg.prompts_per_step))
+        prompts.record(more.rows, more.scores.totals, G, cfg.solved_reward)
+        info["tokens_generated"] += sum(map(len, more.completion_ids))
+        info["generate_s"] += more.generate_s
+        info["reward_s"] += more.reward_s
+        spread = L.groups_with_spread(torch.tensor(more.scores.totals), G).tolist()
+        kept = kept + more.select([i for i, s in enumerate(spread) if s], G)
+    kept = kept.select(list(range(min(len(kept.rows), cfg.prompts_per_step))), G)
+    info["filter/groups_trained"] = len(kept.rows)
+    return kept, info
+
+
+def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generator, optimizer, scheduler,
+               task: Task, weights: list[float], prompts: "PromptPool") -> tuple[dict, list[dict]]:
+    """One GRPO step; returns the step's metrics and its samples."""
+    G = cfg.num_generations
+    t0 = time.perf_counter()
+
+    # 1. sample G completions per prompt, and score them
+    batch, info = collect(cfg, tokenizer, generator, task, weights, prompts)
+    batch_seconds = (info.pop("generate_s"), info.pop("reward_s"))
+    t_rollout = time.perf_counter()
+    if not batch.rows:  # every group had equal rewards, even after refilling: nothing to learn from
+        return {"step": step, **info, "skipped": 1, "time/step": t_rollout - t0, "time/generate": batch_seconds[0],
+                "mem/peak_gb": peak_memory_gb(), **prompts.metrics()}, []
+
+    # 2. advantages within each group
+    rewards = torch.tensor(batch.scores.totals)  # [B]
     advantages = L.advantages(rewards, G, cfg.scale_rewards)  # [B]
-    t_reward = time.perf_counter()
 
-    # 3. loss and backward, micro-batch by micro-batch, so memory does not grow with B
+    # 3. loss and backward, micro-batch by micro-batch so memory does not grow with B
     model.train()
-    rows_ids = [(prompt_ids[i // G], c) for i, c in enumerate(rollout.completion_ids)]
-    lengths = torch.tensor([len(c) for c in rollout.completion_ids])  # [B]
+    pairs = [(batch.prompt_ids[i // G], c) for i, c in enumerate(batch.completion_ids)]
+    lengths = torch.tensor([len(c) for c in batch.completion_ids])  # [B]
     full_mask = torch.arange(lengths.max())[None, :] < lengths[:, None]  # [B, T]
-    sampler = None
-    if rollout.sampler_logps is not None:  # the engine's log-probs, to measure and correct its gap
-        sampler = torch.zeros(full_mask.shape)  # [B, T]
-        for i, row in enumerate(rollout.sampler_logps):
-            sampler[i, :len(row)] = torch.tensor(row)
-    totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "ratio/mean": 0.0}
-    gap_sum, gap_max = 0.0, 0.0
-    for start in range(0, len(rows_ids), cfg.micro_batch_size):
-        chunk = slice(start, start + cfg.micro_batch_size)
-        ids, attention, mask = pad_batch(rows_ids[chunk], tokenizer.pad_token_id, model.device)
-        n = mask.shape[1]
-        ref_logps = None
-        if cfg.beta > 0:
-            with torch.no_grad(), model.disable_adapter():
-                ref_logps = token_logprobs(model, ids, attention, n, cfg.temperature, cfg.logprob_chunk_size)
-        logps = token_logprobs(model, ids, attention, n, cfg.temperature, cfg.logprob_chunk_size)  # [b, n]
-        # one optimizer pass per rollout: the sampling-time policy is the current one, so old = current
-        sampler_logps = sampler[chunk, :n].to(logps.device) if sampler is not None else None  # [b, n]
-        loss, m = L.policy_loss(logps, logps.detach(), ref_logps, advantages[chunk].to(logps.device), mask,
-                                epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
-                                aggregation=cfg.loss_aggregation, max_tokens=cfg.max_new_tokens,
-                                sampler_logps=sampler_logps, tis_cap=cfg.tis_cap)
-        if sampler_logps is not None:
-            gap = (logps.detach() - sampler_logps).abs()[mask]  # [tokens]
-            gap_sum, gap_max = gap_sum + gap.sum().item(), max(gap_max, gap.max().item())
-        weight = L.microbatch_weight(mask, full_mask, cfg.loss_aggregation)
-        (loss * weight).backward()
-        tokens_share = mask.sum().item() / full_mask.sum().item()
-        totals["loss"] += loss.item() * weight
-        for key in ("kl", "clip_frac", "ratio/mean"):
-            totals[key] += m[key] * tokens_share
+    if cfg.mask_truncated:
+        full_mask &= ~torch.tensor(batch.truncated)[:, None]  # [B, T]
+    sampler = padded(batch.sampler_logps, full_mask.shape) if batch.sampler_logps is not None else None  # [B, T]
+    chunks = [slice(s, s + cfg.micro_batch_size) for s in range(0, len(pairs), cfg.micro_batch_size)]
+    inputs = [pad_batch(pairs[c], tokenizer.pad_token_id, model.device) for c in chunks]  # (ids, attention, mask)
+    masks = [full_mask[c, :m.shape[1]].to(model.device) & m for c, (_, _, m) in zip(chunks, inputs)]
 
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf"))
-    lr = scheduler.get_last_lr()[0]
-    optimizer.step()
+    old_logps = [None] * len(chunks)
+    if cfg.num_iterations > 1:  # the sampling-time policy, kept fixed across the passes
+        with torch.no_grad():
+            old_logps = [token_logprobs(model, ids, att, m.shape[1], cfg.temperature, cfg.logprob_chunk_size)
+                         for ids, att, m in inputs]
+    ref_logps = [None] * len(chunks)
+    if cfg.beta > 0:
+        with torch.no_grad(), model.disable_adapter():
+            ref_logps = [token_logprobs(model, ids, att, m.shape[1], cfg.temperature, cfg.logprob_chunk_size)
+                         for ids, att, m in inputs]
+
+    totals = dict.fromkeys(("loss", "kl", "clip_frac", "ratio/mean", "entropy"), 0.0)
+    gap_sum, gap_max, grad_norms = 0.0, 0.0, []
+    for iteration in range(cfg.num_iterations):
+        for c, (ids, attention, _), mask, old, ref in zip(chunks, inputs, masks, old_logps, ref_logps):
+            n = mask.shape[1]
+            logps, entropy = token_logprobs(model, ids, attention, n, cfg.temperature, cfg.logprob_chunk_size,
+                                            with_entropy=True)  # [b, n], [b, n]
+            old = logps.detach() if old is None else old  # one pass: the sampling policy is the current one
+            sampler_logps = sampler[c, :n].to(logps.device) if sampler is not None else None  # [b, n]
+            loss, m = L.policy_loss(logps, old, ref, advantages[c].to(logps.device), mask, epsilon=cfg.epsilon,
+                                    epsilon_high=cfg.epsilon_high, beta=cfg.beta, aggregation=cfg.loss_aggregation,
+                                    max_tokens=cfg.max_new_tokens, sampler_logps=sampler_logps, tis_cap=cfg.tis_cap)
+            weight = L.microbatch_weight(mask, full_mask, cfg.loss_aggregation)
+            (loss * weight).backward()
+            if iteration == cfg.num_iterations - 1:  # report the last pass
+                share = mask.sum().item() / max(full_mask.sum().item(), 1)
+                totals["loss"] += loss.item() * weight
+                totals["entropy"] += L.masked_mean(entropy, mask) * share
+                for key in ("kl", "clip_frac", "ratio/mean"):
+                    totals[key] += m[key] * share
+            if sampler_logps is not None and iteration == 0:
+                gap = (logps.detach() - sampler_logps).abs()[mask]  # [tokens]
+                gap_sum, gap_max = gap_sum + gap.sum().item(), max([gap_max] + gap.max().tolist() * bool(gap.numel()))
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grad_norms.append(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf")).item())
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
     t_sync = time.perf_counter()
     generator.sync(model)
     t_end = time.perf_counter()
 
     # 4. log
-    spread = L.groups_with_spread(rewards, G)
     metrics = {
         "step": step,
         "reward/mean": rewards.mean().item(),
         "reward/std": rewards.std().item(),
-        **{f"reward/{name}/mean": float(np.mean(values)) for name, values in parts.items()},
-        "frac_groups_reward_differs": spread.float().mean().item(),
+        **{f"reward/{name}/mean": mean_of_present(values) for name, values in batch.scores.values.items()},
+        **{f"reward/{name}/mean": float(np.mean(values)) for name, values in batch.scores.parts.items()},
+        **{f"reward/{name}/errors": count for name, count in batch.scores.errors.items()},
+        **info,
         **totals,
         "completion_len/mean": lengths.float().mean().item(),
         "completion_len/max": lengths.max().item(),
-        "truncated_frac": float(np.mean(rollout.truncated)),
+        "truncated_frac": float(np.mean(batch.truncated)),
         "lr": lr,
-        "grad_norm": grad_norm.item(),
-        "time/generate": t_generate - t0,
-        "time/reward": t_reward - t_generate,
-        "time/train": t_end - t_reward,
-        "time/step": t_end - t0,
+        "grad_norm": float(np.mean(grad_norms)),
+        "time/generate": batch_seconds[0],  # with any extra filter rounds
+        "time/reward": batch_seconds[1],
+        "time/train": t_sync - t_rollout,
         "time/sync": t_end - t_sync,
-        "tokens_per_s": lengths.sum().item() / max(t_generate - t0, 1e-9),
+        "time/step": t_end - t0,
+        "tokens_per_s": info["tokens_generated"] / max(batch_seconds[0], 1e-9),
         "mem/peak_gb": peak_memory_gb(),
+        **prompts.metrics(),
     }
     if sampler is not None:
-        metrics["sampler_logprob_gap/mean"] = gap_sum / full_mask.sum().item()
+        metrics["sampler_logprob_gap/mean"] = gap_sum / max(full_mask.sum().item(), 1)
         metrics["sampler_logprob_gap/max"] = gap_max
+    parts = batch.scores.values | batch.scores.parts
     samples = [
-        {"step": step, "prompt": group_rows[i]["prompt"], "completion": completions[i],
+        {"step": step, "prompt": batch.rows[i // G]["prompt"], "completion": batch.completions[i],
          "reward": rewards[i].item(), "reward_parts": {k: v[i] for k, v in parts.items()},
-         "advantage": advantages[i].item(), "truncated": rollout.truncated[i]}
-        for i in range(len(completions))
+         "advantage": advantages[i].item(), "truncated": batch.truncated[i]}
+        for i in range(len(batch.completions))
     ]
     return metrics, samples
+
+
+def precheck_rewards(task: Task, weights: list[float], rows: list[dict]) -> None:
+    """The cheap part of `minigrpo check-reward`: every reward on the task's worked examples, and on a few
+    data rows with stand-in completions, strictly, so a reward that raises, returns the wrong number of
+    values or needs a column the data lacks fails now, with its name, not at step 1 after a model load."""
+    probe = [dict(row, completion=text) for row in rows[:2] for text in ("", str(row["prompt"]))]
+    for batch in (task.examples, probe):
+        if batch:
+            rows_only = [{k: v for k, v in r.items() if k not in ("completion", "expected")} for r in batch]
+            score(task.rewards, weights, [r["prompt"] for r in batch], [r["completion"] for r in batch],
+                  [[] for _ in batch], rows_only, strict=True)
+
+
+def mean_of_present(values: list[float | None]) -> float | None:
+    """The mean over the completions a reward applies to (None: does not apply)."""
+    present = [v for v in values if v is not None]
+    return float(np.mean(present)) if present else None
 
 
 def render_prompt(tokenizer, prompt: str | list[dict]) -> str:
@@ -197,21 +327,65 @@ def pad_batch(rows: list[tuple[list[int], list[int]]], pad_id: int, device) -> t
     return as_tensor(ids), as_tensor(attention), as_tensor(mask).bool()
 
 
-class PromptSampler:
-    """Rows in a seeded random order, epoch after epoch."""
+def padded(rows: list[list[float]], shape: tuple[int, int]) -> torch.Tensor:
+    out = torch.zeros(shape)  # [B, T]
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = torch.tensor(row[:shape[1]])
+    return out
 
-    def __init__(self, rows: list[dict], seed: int):
+
+class PromptPool:
+    """Rows in a seeded random order, epoch after epoch; with `retire_after` K > 0, a curriculum: a prompt
+    solved by every completion on K visits in a row leaves the pool, and a prompt never solved is drawn
+    less often (after m such visits it is skipped with probability m / (m + 1))."""
+
+    def __init__(self, rows: list[dict], seed: int, retire_after: int = 0):
         if not rows:
             raise ValueError("the task has no data rows")
-        self.rows, self.rng, self.order = rows, random.Random(seed), []
+        self.rows, self.rng, self.retire_after = rows, random.Random(seed), retire_after
+        self.order: list[int] = []
+        self.solved_streak = [0] * len(rows)
+        self.unsolved_visits = [0] * len(rows)
+        self.retired: set[int] = set()
+        self.index = {id(row): i for i, row in enumerate(rows)}
 
     def draw(self, k: int) -> list[dict]:
         out = []
         while len(out) < k:
+            if len(self.retired) == len(self.rows):
+                self.retired.clear()  # everything solved: start over rather than stop
             if not self.order:
                 self.order = self.rng.sample(range(len(self.rows)), len(self.rows))
-            out.append(self.rows[self.order.pop()])
+            i = self.order.pop()
+            if i in self.retired:
+                continue
+            m = self.unsolved_visits[i]
+            if self.retire_after and m and self.rng.random() < m / (m + 1):
+                continue
+            out.append(self.rows[i])
         return out
+
+    def record(self, rows: list[dict], totals: list[float], G: int, solved_reward: float) -> None:
+        if not self.retire_after:
+            return
+        for g, row in enumerate(rows):
+            i = self.index[id(row)]
+            group = totals[g * G:(g + 1) * G]
+            if all(r >= solved_reward for r in group):
+                self.solved_streak[i] += 1
+                if self.solved_streak[i] >= self.retire_after:
+                    self.retired.add(i)
+            else:
+                self.solved_streak[i] = 0
+            if not any(r >= solved_reward for r in group):
+                self.unsolved_visits[i] += 1
+            else:
+                self.unsolved_visits[i] = 0
+
+    def metrics(self) -> dict:
+        if not self.retire_after:
+            return {}
+        return {"pool/size": len(self.rows) - len(self.retired), "pool/retired": len(self.retired)}
 
 
 def seed_everything(seed: int) -> None:

@@ -59,7 +59,7 @@ def test_chunked_logprobs_have_the_same_gradient(model):
 
 
 def test_4bit_lora_policy_and_reference(tiny_model_path):
-    policy = load_policy(TrainConfig(lora_rank=4), tiny_model_path)
+    policy = load_policy(TrainConfig(lora_rank=4, load_in_4bit=True), tiny_model_path)
     assert any("Linear4bit" in type(m).__name__ for m in policy.modules())
     ids, attention, mask = _batch()
     T = mask.shape[1]
@@ -83,7 +83,7 @@ def test_gradients_flow_through_4bit_layers_after_generation(tiny_model_path):
     # input gradient of a 4-bit layer of the policy, after such a forward, against its dequantized weight.
     from bitsandbytes.functional import dequantize_4bit
 
-    policy = load_policy(TrainConfig(lora_rank=4), tiny_model_path)
+    policy = load_policy(TrainConfig(lora_rank=4, load_in_4bit=True), tiny_model_path)
     layer = policy.get_base_model().model.layers[0].mlp.down_proj.base_layer
     policy.eval()
     with torch.no_grad():

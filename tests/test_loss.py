@@ -106,3 +106,81 @@ def test_microbatches_add_up_to_the_whole_batch(aggregation):
         loss, _ = policy_loss(logps[rows], old[rows], ref[rows], adv[rows], mask[rows], **kwargs)
         parts = parts + loss * microbatch_weight(mask[rows], mask, aggregation)
     assert torch.allclose(whole, parts)
+
+
+# an independent, deliberately plain implementation of every preset: loops over rows and tokens
+def reference_loss(logps, old, ref, rewards, mask, group_size, preset, epsilon, epsilon_high, beta, max_tokens):
+    from minigrpo.loss import PRESETS
+
+    scale, aggregation = PRESETS[preset]["scale_rewards"], PRESETS[preset]["loss_aggregation"]
+    B, T = logps.shape
+    adv = []
+    for i in range(B):
+        g = i // group_size
+        group = [rewards[j].item() for j in range(g * group_size, (g + 1) * group_size)]
+        mean = sum(group) / len(group)
+        if scale == "group":
+            std = (sum((r - mean) ** 2 for r in group) / (len(group) - 1)) ** 0.5
+        elif scale == "batch":
+            everything = rewards.tolist()
+            m = sum(everything) / len(everything)
+            std = (sum((r - m) ** 2 for r in everything) / (len(everything) - 1)) ** 0.5
+        else:
+            std = None
+        adv.append((rewards[i].item() - mean) / (std + 1e-4) if std is not None else rewards[i].item() - mean)
+    row_sums, row_counts = [], []
+    for i in range(B):
+        total, count = 0.0, 0
+        for t in range(T):
+            if not mask[i, t]:
+                continue
+            ratio = torch.exp(logps[i, t] - old[i, t])
+            clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+            term = -torch.min(ratio * adv[i], clipped * adv[i])
+            if beta:
+                d = ref[i, t] - logps[i, t]
+                term = term + beta * (torch.exp(d) - d - 1)
+            total, count = total + term, count + 1
+        row_sums.append(total)
+        row_counts.append(count)
+    if aggregation == "sequence":
+        return sum(s / max(c, 1) for s, c in zip(row_sums, row_counts)) / B
+    if aggregation == "token":
+        return sum(row_sums) / max(sum(row_counts), 1)
+    return sum(row_sums) / (B * max_tokens)
+
+
+@pytest.mark.parametrize("preset", ["grpo", "dr_grpo", "dapo", "bnpo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_every_preset_matches_an_independent_implementation(preset, beta):
+    from minigrpo.loss import PRESETS
+
+    g = torch.Generator().manual_seed(7)
+    B, T, G = 6, 7, 3
+    logps = (-torch.rand(B, T, generator=g) * 2).requires_grad_(True)
+    old = logps.detach() + 0.25 * torch.randn(B, T, generator=g)  # ratios on both sides of the clip range
+    ref = logps.detach() + 0.3 * torch.randn(B, T, generator=g)
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.2, 0.2, 0.2])  # the second group has no spread
+    mask = torch.rand(B, T, generator=g) > 0.3
+    mask[:, 0] = True
+    knobs = PRESETS[preset]
+    adv = advantages(rewards, G, knobs["scale_rewards"])
+    ours, _ = policy_loss(logps, old, ref, adv, mask, epsilon=0.2, epsilon_high=0.28, beta=beta,
+                          aggregation=knobs["loss_aggregation"], max_tokens=10)
+    (grad_ours,) = torch.autograd.grad(ours, logps)
+    theirs = reference_loss(logps, old, ref, rewards, mask, G, preset, 0.2, 0.28, beta, 10)
+    (grad_theirs,) = torch.autograd.grad(theirs, logps)
+    assert torch.allclose(ours, theirs, atol=1e-6)
+    assert torch.allclose(grad_ours, grad_theirs, atol=1e-6)
+    assert grad_ours.abs().sum() > 0
+
+
+def test_truncated_importance_sampling_weights_and_caps():
+    logps = torch.zeros(1, 3, requires_grad=True)
+    sampler = torch.log(torch.tensor([[0.5, 1.0, 4.0]]))  # trainer/sampler ratios 2, 1, 0.25
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    loss, _ = policy_loss(logps, logps.detach(), None, torch.tensor([1.0]), mask, aggregation="token",
+                          sampler_logps=sampler, tis_cap=1.5)
+    (grad,) = torch.autograd.grad(loss, logps)
+    # d/dlogp of -ratio * A * w at ratio 1 is -w/3 per token, w = min(ratio, cap)
+    assert torch.allclose(grad, -torch.tensor([[1.5, 1.0, 0.25]]) / 3)

@@ -19,7 +19,7 @@ def test_train_two_steps_end_to_end(tmp_path, tiny_model_path):
     result = CliRunner().invoke(app, [
         "train", "--model", "smollm2-135m", "--task", "addition", "--steps", "2", "--output-dir", str(out),
         "--num-generations", "4", "--prompts-per-step", "2", "--max-new-tokens", "24", "--micro-batch-size", "3",
-        "--beta", "0.04", "--seed", "1", "--sample-every", "1",
+        "--beta", "0.04", "--seed", "1", "--sample-every", "1", "--4bit",
     ])
     assert result.exit_code == 0, result.output
     assert "step    2" in result.output and "sample" in result.output
@@ -48,3 +48,41 @@ def test_bad_settings_fail_before_loading():
     result = CliRunner().invoke(app, ["train", "--num-generations", "1"])
     assert result.exit_code != 0
     assert "num_generations" in result.output
+
+
+def test_your_own_reward_and_data_from_the_cli(tmp_path):
+    (tmp_path / "reward.py").write_text(
+        "from minigrpo import per_sample\n\n"
+        "@per_sample\n"
+        "def mentions_color(completion: str, color: str, **example) -> float:\n"
+        "    return 1.0 if color in completion.lower() else 0.0\n")
+    data = tmp_path / "colors.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Name something {c}.", "color": c}) + "\n"
+                            for c in ["red", "blue", "green", "yellow"] * 5))
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, [
+        "train", "--task", str(data), "--reward", f"{tmp_path / 'reward.py'}:mentions_color", "--steps", "1",
+        "--num-generations", "2", "--prompts-per-step", "2", "--max-new-tokens", "8", "--output-dir", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert "reward/mentions_color/mean" in metrics
+
+
+def test_a_broken_reward_stops_before_the_model_loads(tmp_path):
+    (tmp_path / "reward.py").write_text("def bad(prompts, completions, **kw):\n    return [1.0]\n")
+    result = CliRunner().invoke(app, ["train", "--reward", f"{tmp_path / 'reward.py'}:bad", "--steps", "1",
+                                      "--output-dir", str(tmp_path / "run")])
+    assert result.exit_code != 0
+    assert "reward function bad returned 1 values for 4 completions" in " ".join(result.output.split())
+    assert not (tmp_path / "run").exists(), "it stopped before making a run folder or loading a model"
+
+
+def test_check_reward_samples_the_model_and_warns(tmp_path):
+    (tmp_path / "reward.py").write_text("def zero(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
+    result = CliRunner().invoke(app, ["check-reward", "--task", "addition", "--reward",
+                                      f"{tmp_path / 'reward.py'}:zero", "--prompts", "2", "--samples", "2",
+                                      "--max-new-tokens", "8"])
+    assert result.exit_code == 0, result.output
+    assert "4 completions sampled" in result.output
+    assert "zero: always zero" in result.output

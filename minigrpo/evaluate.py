@@ -1,0 +1,66 @@
+"""Held-out evaluation: pass@1 with greedy decoding, and the mean reward over n samples.
+
+During training (`--eval-every N`) and afterwards (`minigrpo eval`), on the task's "test" split, so a
+before/after comparison is one command each:
+
+    minigrpo eval --task addition                                  # the base model
+    minigrpo eval --task addition --adapter runs/<run>/adapter     # after training
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+from minigrpo.config import TrainConfig
+from minigrpo.generation import Generator, Sampling
+from minigrpo.scoring import score
+from minigrpo.tasks import Task
+
+
+class Evaluator:
+    def __init__(self, cfg: TrainConfig, task: Task, weights: list[float], tokenizer, generator: Generator,
+                 out_dir: Path | None):
+        self.cfg, self.task, self.weights = cfg, task, weights
+        self.tokenizer, self.generator = tokenizer, generator
+        self.rows = task.make_data("test", cfg.seed)[:cfg.eval_prompts]
+        if not self.rows:
+            raise ValueError(f"task {task.name} has no held-out rows to evaluate on")
+        self.out = Path(out_dir) / "eval.jsonl" if out_dir else None
+
+    def __call__(self, step: int | None = None) -> dict:
+        from minigrpo.train import render_prompt
+
+        start = time.perf_counter()
+        prompt_ids = [self.tokenizer(render_prompt(self.tokenizer, r["prompt"]), add_special_tokens=False).input_ids
+                      for r in self.rows]
+        greedy = self._totals(prompt_ids, Sampling(1, self.cfg.max_new_tokens, temperature=0.0))
+        n = self.cfg.eval_samples
+        sampled = self._totals(prompt_ids, Sampling(n, self.cfg.max_new_tokens, self.cfg.temperature, self.cfg.top_p))
+        # per-prompt means first, so the standard error is over prompts, the independent unit
+        per_prompt = [statistics.fmean(sampled[i * n:(i + 1) * n]) for i in range(len(self.rows))]
+        solved = [float(t >= self.cfg.solved_reward) for t in greedy]
+        result = {
+            "step": step, "prompts": len(self.rows), "samples_per_prompt": n,
+            "pass@1": statistics.fmean(solved), "pass@1/stderr": stderr(solved),
+            "reward/mean": statistics.fmean(per_prompt), "reward/stderr": stderr(per_prompt),
+            "greedy_reward/mean": statistics.fmean(greedy), "time/eval": time.perf_counter() - start,
+        }
+        if self.out:
+            with open(self.out, "a") as f:
+                f.write(json.dumps(result) + "\n")
+        return result
+
+    def _totals(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[float]:
+        out = self.generator.generate(prompt_ids, sampling)
+        texts = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+        rows = [self.rows[i // sampling.n] for i in range(len(texts))]
+        return score(self.task.rewards, self.weights, [r["prompt"] for r in rows], texts, out.completion_ids,
+                     rows).totals
+
+
+def stderr(values: list[float]) -> float:
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
