@@ -22,7 +22,11 @@ def train(
     reward: list[str] = typer.Option([], help="Extra reward function file.py:function (repeat)."),
     reward_weight: list[float] = typer.Option([], help="One weight per reward function, the task's first (repeat)."),
     strict_rewards: bool = typer.Option(False, help="Stop when a reward function raises (default: score 0)."),
-    steps: int = typer.Option(30, help="Optimizer steps."),
+    steps: int = typer.Option(None, help="Optimizer steps [default: 30; with --resume, the run's own]."),
+    resume: str = typer.Option(None, help="Continue this run folder from its latest checkpoint (other flags "
+                                          "are taken from its config.json, but --steps may extend it)."),
+    save_every: int = typer.Option(10, help="Checkpoint every N steps (and at the end)."),
+    keep: int = typer.Option(2, help="Checkpoints to keep."),
     output_dir: str = typer.Option(None, help="Run folder [default: runs/<time>-<model>-<task>]."),
     num_generations: int = typer.Option(None, "--num-generations", "-G", help=f"Completions per prompt. {PRESET_HELP}"),
     prompts_per_step: int = typer.Option(None, help=f"Prompts per step. {PRESET_HELP}"),
@@ -59,23 +63,36 @@ def train(
     """Train a LoRA adapter with GRPO and write a run folder."""
     from minigrpo.train import train as run_training
 
+    if resume:
+        from pathlib import Path
+
+        config = Path(resume) / "config.json"
+        if not config.exists():
+            raise typer.BadParameter(f"{resume} is not a run folder (it has no config.json)")
+        cfg = TrainConfig.load(config)
+        if steps is not None:
+            cfg.steps = steps
+        cfg.output_dir = resume
+    else:
+        try:
+            cfg = TrainConfig(
+                model=model, task=task, rewards=reward, reward_weights=reward_weight or None,
+                strict_rewards=strict_rewards, steps=30 if steps is None else steps, output_dir=output_dir,
+                save_every=save_every, keep=keep, num_generations=num_generations, prompts_per_step=prompts_per_step,
+                max_new_tokens=max_new_tokens, learning_rate=learning_rate, beta=beta, loss=loss,
+                scale_rewards=scale_rewards, loss_aggregation=loss_aggregation, epsilon=epsilon,
+                epsilon_high=epsilon_high, num_iterations=num_iterations, mask_truncated=mask_truncated,
+                filter_groups=filter_groups, max_filter_rounds=max_filter_rounds, retire_solved=retire_solved,
+                eval_every=eval_every, eval_prompts=eval_prompts, eval_samples=eval_samples, lora_rank=lora_rank,
+                temperature=temperature, top_p=top_p, micro_batch_size=micro_batch_size, generator=generator,
+                gpu_memory_utilization=gpu_memory_utilization, tis_cap=tis_cap, seed=seed,
+                load_in_4bit=load_in_4bit, gradient_checkpointing=not no_gradient_checkpointing,
+                sample_every=sample_every,
+            )
+        except ValueError as error:
+            raise typer.BadParameter(str(error)) from None
     try:
-        cfg = TrainConfig(
-            model=model, task=task, rewards=reward, reward_weights=reward_weight or None,
-            strict_rewards=strict_rewards, steps=steps, output_dir=output_dir, num_generations=num_generations,
-            prompts_per_step=prompts_per_step, max_new_tokens=max_new_tokens, learning_rate=learning_rate,
-            beta=beta, loss=loss, scale_rewards=scale_rewards, loss_aggregation=loss_aggregation, epsilon=epsilon,
-            epsilon_high=epsilon_high, num_iterations=num_iterations, mask_truncated=mask_truncated,
-            filter_groups=filter_groups, max_filter_rounds=max_filter_rounds, retire_solved=retire_solved,
-            eval_every=eval_every, eval_prompts=eval_prompts, eval_samples=eval_samples, lora_rank=lora_rank, temperature=temperature, top_p=top_p,
-            micro_batch_size=micro_batch_size, generator=generator,
-            gpu_memory_utilization=gpu_memory_utilization, tis_cap=tis_cap, seed=seed, load_in_4bit=load_in_4bit,
-            gradient_checkpointing=not no_gradient_checkpointing, sample_every=sample_every,
-        )
-    except ValueError as error:
-        raise typer.BadParameter(str(error)) from None
-    try:
-        run_training(cfg)
+        run_training(cfg, resume=bool(resume))
     except (RewardError, ValueError, FileNotFoundError) as error:
         Console(stderr=True).print(f"[bold red]error[/]: {error}", highlight=False)
         raise typer.Exit(1) from None

@@ -100,6 +100,11 @@ class TrainConfig:
     micro_batch_size: int = 8  # completions per forward/backward; gradients accumulate across them
     logprob_chunk_size: int = 128  # positions per lm-head chunk; bounds the logits memory
 
+    # checkpoints and bad states
+    save_every: int = 10  # checkpoint every this many steps (and at the end); 0: only at the end
+    keep: int = 2  # checkpoints kept; older ones are removed
+    max_bad_steps: int = 3  # consecutive updates skipped for a NaN/inf loss or gradient before the run stops
+
     # console and logs
     sample_every: int = 5  # show one sampled completion every this many steps; 0 never
     rewards: list[str] = field(default_factory=list)  # extra reward functions, "file.py:function"
@@ -153,6 +158,10 @@ class TrainConfig:
              "loss_aggregation must be sequence, token or constant"),
             (self.micro_batch_size >= 1, "micro_batch_size must be at least 1"),
             (self.num_iterations >= 1, "num_iterations must be at least 1"),
+            (self.save_every >= 0 and self.keep >= 1, "save_every must be >= 0 and keep at least 1"),
+            (self.max_bad_steps >= 1, "max_bad_steps must be at least 1"),
+            (not (self.filter_groups and self.num_generations < 2), "filter_groups needs G >= 2"),
+            (self.eval_every <= self.steps, f"eval_every={self.eval_every} is beyond the run's {self.steps} steps"),
             (self.max_filter_rounds >= 0, "max_filter_rounds must be >= 0"),
             (self.retire_solved >= 0, "retire_solved must be >= 0 (0 turns the curriculum off)"),
             (self.eval_every >= 0 and self.eval_prompts >= 1 and self.eval_samples >= 1,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import resource
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from minigrpo import checkpoint
 from minigrpo import loss as L
 from minigrpo.config import TrainConfig
 from minigrpo.console import Display
@@ -32,8 +34,9 @@ from minigrpo.tasks import Task, get_task
 GAP_WARNING = 0.05  # mean |sampler - trainer| log-prob per token above which the engine is out of sync
 
 
-def train(cfg: TrainConfig) -> Path:
-    """Train a LoRA adapter with GRPO as `cfg` says; returns the run folder."""
+def train(cfg: TrainConfig, resume: bool = False) -> Path:
+    """Train a LoRA adapter with GRPO as `cfg` says; returns the run folder. With `resume`, continue the
+    run in cfg.output_dir from its latest complete checkpoint, exactly where it stopped."""
     seed_everything(cfg.seed)
     task = get_task(cfg.task, cfg.rewards)
     weights = cfg.reward_weights or task.weights
@@ -42,7 +45,7 @@ def train(cfg: TrainConfig) -> Path:
                          f"{task.reward_names}")
     train_rows = task.make_data("train", cfg.seed)
     precheck_rewards(task, weights, train_rows)  # a broken reward stops here, before any model loads
-    run = RunFolder.create(cfg)
+    run = RunFolder(Path(cfg.output_dir)) if resume else RunFolder.create(cfg)
     display = Display(cfg.steps)
     display.print(f"[bold]minigrpo[/] {cfg.model} on {task.name}: {cfg.prompts_per_step} prompts x "
                   f"{cfg.num_generations} completions per step, {cfg.steps} steps -> {run.path}")
@@ -60,15 +63,41 @@ def train(cfg: TrainConfig) -> Path:
         from minigrpo.evaluate import Evaluator
 
         evaluate = Evaluator(cfg, task, weights, tokenizer, generator, run.path)
+    done = 0
+    if resume:
+        found = checkpoint.latest(run.path)
+        if found is None:
+            raise FileNotFoundError(f"{run.path} has no complete checkpoint to resume from")
+        done = checkpoint.load(found, model, optimizer, scheduler, prompts, generator)
+        checkpoint.truncate_logs(run.path, done)
+        display.print(f"resumed from {found} (step {done})")
 
-    step = 0
+    def save(at: int) -> Path:
+        return checkpoint.save(run.path, at, model, optimizer, scheduler, prompts, generator, cfg.keep)
+
+    stop = StopRequest()
+    step, bad_in_a_row = done, 0
     try:
-        with display:
-            for step in range(1, cfg.steps + 1):
-                metrics, samples = train_step(cfg, step, model, tokenizer, generator, optimizer, scheduler,
-                                              task, weights, prompts)
+        with display, stop:
+            for step in range(done + 1, cfg.steps + 1):
+                try:
+                    metrics, samples = train_step(cfg, step, model, tokenizer, generator, optimizer, scheduler,
+                                                  task, weights, prompts)
+                except (torch.cuda.OutOfMemoryError, MemoryError):
+                    display.print(out_of_memory_advice(cfg))
+                    save(step - 1)
+                    raise
                 run.log(metrics, samples)
                 display.step(metrics)
+                bad_in_a_row = bad_in_a_row + 1 if metrics.get("skipped_nonfinite") else 0
+                if bad_in_a_row:
+                    display.print(f"[yellow]warning[/]: step {step}: the loss or gradient was NaN or inf; "
+                                  f"the update was skipped ({bad_in_a_row} in a row)")
+                if bad_in_a_row >= cfg.max_bad_steps:
+                    save(step)
+                    raise RuntimeError(f"{bad_in_a_row} steps in a row had a NaN or inf loss or gradient: lower "
+                                       f"--learning-rate (now {cfg.learning_rate:g}), check the rewards for extreme "
+                                       f"values, or set --max-grad-norm; the last good state is saved in {run.path}")
                 if metrics.get("sampler_logprob_gap/mean", 0.0) > GAP_WARNING:
                     display.print(f"[bold red]warning[/]: the generator's log-probs differ from the trainer's by "
                                   f"{metrics['sampler_logprob_gap/mean']:.3f} per token on average: its weights "
@@ -77,15 +106,61 @@ def train(cfg: TrainConfig) -> Path:
                     display.sample(step, random.Random(step).choice(samples))
                 if evaluate and (step % cfg.eval_every == 0 or step == cfg.steps):
                     display.eval(evaluate(step))
+                if stop.requested:
+                    save(step)
+                    display.print(f"[yellow]stopped after step {step} ({stop.requested}); checkpoint saved. "
+                                  f"Resume with: minigrpo train --resume {run.path}[/]")
+                    break
+                if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+                    save(step)
     except KeyboardInterrupt:
-        display.print(f"[yellow]interrupted during step {step}; saving the adapter[/]")
+        display.print(f"[yellow]interrupted during step {step}; the adapter is saved, and the run resumes from "
+                      f"its last checkpoint with: minigrpo train --resume {run.path}[/]")
     except Exception:
-        display.print(f"[red]step {step} failed; saving the adapter of step {step - 1} before stopping[/]")
+        display.print(f"[red]step {step} failed; saving the adapter before stopping[/]")
         run.save_adapter(model)
         raise
     adapter = run.save_adapter(model)
     display.print(f"adapter saved to {adapter}")
     return run.path
+
+
+class StopRequest:
+    """SIGINT (Ctrl-C) or SIGTERM: finish the current step, save a checkpoint, stop. A second one stops at
+    once (KeyboardInterrupt), and the run resumes from its last checkpoint."""
+
+    def __init__(self):
+        self.requested: str | None = None
+        self.previous = {}
+
+    def __enter__(self) -> "StopRequest":
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self.handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+        print(f"\n{self.requested}: finishing this step, then saving a checkpoint (send it again to stop at once)",
+              flush=True)
+
+
+def out_of_memory_advice(cfg: TrainConfig) -> str:
+    used = f"peak {peak_memory_gb():.1f} GB" + (
+        f" of {torch.cuda.get_device_properties(0).total_memory / 2**30:.1f} GB" if torch.cuda.is_available() else "")
+    return (f"[bold red]out of memory[/] ({used}). Lower one of: --num-generations (now {cfg.num_generations}), "
+            f"--max-new-tokens (now {cfg.max_new_tokens}), --micro-batch-size (now {cfg.micro_batch_size}), "
+            f"--prompts-per-step (now {cfg.prompts_per_step})"
+            + (f", or the engine's --gpu-memory-utilization (now {cfg.gpu_memory_utilization})"
+               if cfg.generator != "hf" else "") + ". The last completed step is saved; resume with --resume.")
 
 
 @dataclass
@@ -216,6 +291,7 @@ def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generat
                          for ids, att, m in inputs]
 
     totals = dict.fromkeys(("loss", "kl", "clip_frac", "ratio/mean", "entropy"), 0.0)
+    nonfinite = False
     gap_sum, gap_max, grad_norms = 0.0, 0.0, []
     for iteration in range(cfg.num_iterations):
         for c, (ids, attention, _), mask, old, ref in zip(chunks, inputs, masks, old_logps, ref_logps):
@@ -237,11 +313,15 @@ def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generat
                     totals[key] += m[key] * share
             if sampler_logps is not None and iteration == 0:
                 gap = (logps.detach() - sampler_logps).abs()[mask]  # [tokens]
-                gap_sum, gap_max = gap_sum + gap.sum().item(), max([gap_max] + gap.max().tolist() * bool(gap.numel()))
+                gap_sum += gap.sum().item()
+                gap_max = max(gap_max, gap.max().item()) if gap.numel() else gap_max
         params = [p for group in optimizer.param_groups for p in group["params"]]
         grad_norms.append(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf")).item())
         lr = scheduler.get_last_lr()[0]
-        optimizer.step()
+        if np.isfinite(grad_norms[-1]) and np.isfinite(totals["loss"]):
+            optimizer.step()
+        else:  # a NaN or inf would poison the adapter and adam's moments: skip this update
+            nonfinite = True
         optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     t_sync = time.perf_counter()
@@ -272,6 +352,8 @@ def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generat
         "mem/peak_gb": peak_memory_gb(),
         **prompts.metrics(),
     }
+    if nonfinite:
+        metrics["skipped_nonfinite"] = 1
     if sampler is not None:
         metrics["sampler_logprob_gap/mean"] = gap_sum / max(full_mask.sum().item(), 1)
         metrics["sampler_logprob_gap/max"] = gap_max
@@ -381,6 +463,18 @@ class PromptPool:
                 self.unsolved_visits[i] += 1
             else:
                 self.unsolved_visits[i] = 0
+
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.getstate(), "order": list(self.order), "solved_streak": list(self.solved_streak),
+                "unsolved_visits": list(self.unsolved_visits), "retired": sorted(self.retired)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["solved_streak"]) != len(self.rows):
+            raise ValueError("the checkpoint's prompt pool does not match this task's data")
+        self.rng.setstate(state["rng"])
+        self.order = list(state["order"])
+        self.solved_streak, self.unsolved_visits = list(state["solved_streak"]), list(state["unsolved_visits"])
+        self.retired = set(state["retired"])
 
     def metrics(self) -> dict:
         if not self.retire_after:

@@ -94,6 +94,12 @@ class VLLMGenerator:
                 logps.append([step[t].logprob for t, step in zip(ids, out.logprobs)])
         return Rollout(completions, truncated, logps)
 
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.setstate(state["rng"])
+
     def score(self, token_ids: list[list[int]], n_last: int) -> list[list[float]]:
         """The engine's log-probs (temperature 1) of the last `n_last` tokens of each sequence."""
         from vllm import SamplingParams

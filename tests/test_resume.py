@@ -1,0 +1,128 @@
+"""Runs that survive: exact resume, SIGTERM and SIGKILL, NaN updates, and settings checked before loading."""
+
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from minigrpo import TrainConfig, train
+from minigrpo import checkpoint
+
+SMALL = dict(num_generations=2, prompts_per_step=2, max_new_tokens=8, sample_every=0, seed=5, save_every=1,
+             learning_rate=1e-3)
+VOLATILE = ("time/", "mem/", "tokens_per_s")
+
+
+def metrics_of(run):
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(VOLATILE)} for line in lines]
+
+
+def adapter_of(run):
+    return load_file(str(run / "adapter" / "adapter_model.safetensors"))
+
+
+def start_training(cfg: dict, env_extra=None) -> subprocess.Popen:
+    code = "import json, sys; from minigrpo import TrainConfig, train; train(TrainConfig(**json.loads(sys.argv[1])))"
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.Popen([sys.executable, "-c", code, json.dumps(cfg)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def wait_for_steps(run, n, proc, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        path = run / "metrics.jsonl"
+        if path.exists() and len(path.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the run did not reach step {n}: {proc.stdout.read() if proc.poll() is not None else ''}")
+
+
+def test_sigterm_then_resume_equals_an_uninterrupted_run(tmp_path):
+    whole = train(TrainConfig(steps=6, output_dir=str(tmp_path / "whole"), **SMALL))
+
+    cut = tmp_path / "cut"
+    proc = start_training(dict(SMALL, steps=6, output_dir=str(cut)))
+    wait_for_steps(cut, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output
+    assert "Resume with: minigrpo train --resume" in " ".join(output.split())
+    stopped_at = len(metrics_of(cut))
+    assert 3 <= stopped_at < 6, "it stopped after the step it was in"
+    assert checkpoint.latest(cut).name == f"step-{stopped_at:06d}"
+
+    train(TrainConfig.load(cut / "config.json"), resume=True)
+    assert metrics_of(cut) == metrics_of(whole)
+    resumed, uninterrupted = adapter_of(cut), adapter_of(whole)
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(torch.allclose(resumed[k], uninterrupted[k], atol=1e-6) for k in resumed)
+    assert any(v.abs().sum() > 0 for k, v in resumed.items() if "lora_B" in k), "training changed the adapter"
+
+
+def test_sigkill_mid_save_leaves_the_last_complete_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    # the child dies by SIGKILL halfway through writing the step-3 checkpoint
+    killer = tmp_path / "sitecustomize.py"
+    killer.write_text(textwrap.dedent("""
+        import os, signal, torch
+        real_save = torch.save
+        def dying_save(obj, path, *args, **kwargs):
+            if isinstance(obj, dict) and obj.get("step") == 3:
+                with open(path, "wb") as f:
+                    f.write(b"half a checkpoint")
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_save(obj, path, *args, **kwargs)
+        torch.save = dying_save
+    """))
+    proc = start_training(dict(SMALL, steps=5, output_dir=str(run)),
+                          env_extra={"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+    assert list((run / "checkpoints").glob(".partial-*")), "the kill happened mid-save"
+    assert checkpoint.latest(run).name == "step-000002"
+    assert not list((run / "checkpoints").glob(".partial-*")), "the broken one was cleared"
+    train(TrainConfig.load(run / "config.json"), resume=True)
+    assert [m["step"] for m in metrics_of(run)] == [1, 2, 3, 4, 5]
+    assert checkpoint.latest(run).name == "step-000005"
+
+
+def test_nan_updates_are_skipped_then_the_run_stops(tmp_path, monkeypatch):
+    T = importlib.import_module("minigrpo.train")  # the module (the package exports a function of that name)
+
+    real = T.token_logprobs
+
+    def poisoned(*args, with_entropy=False, **kwargs):
+        out = real(*args, with_entropy=with_entropy, **kwargs)
+        return (out[0] * float("nan"), out[1]) if with_entropy else out  # the training pass goes NaN
+
+    monkeypatch.setattr(T, "token_logprobs", poisoned)
+    run = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="3 steps in a row had a NaN or inf loss or gradient"):
+        train(TrainConfig(steps=6, max_bad_steps=3, output_dir=str(run), **SMALL))
+    metrics = metrics_of(run)
+    assert len(metrics) == 3 and all(m["skipped_nonfinite"] == 1 for m in metrics)
+    adapter = adapter_of(run)
+    assert all(torch.isfinite(v).all() for v in adapter.values()), "no NaN reached the adapter"
+    assert all(v.abs().sum() == 0 for k, v in adapter.items() if "lora_B" in k), "no update was applied"
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(eval_every=50, steps=10), "eval_every=50 is beyond the run's 10 steps"),
+    (dict(loss="ppo"), "loss must be one of"),
+    (dict(num_generations=1), "num_generations (G) must be at least 2"),
+    (dict(keep=0), "keep at least 1"),
+])
+def test_impossible_settings_fail_before_anything_loads(settings, message):
+    with pytest.raises(ValueError) as error:
+        TrainConfig(**settings)
+    assert message in str(error.value)
