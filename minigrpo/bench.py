@@ -84,3 +84,251 @@ def compare(variants: dict[str, dict], common: dict, rounds: int = 1, console: C
                       f"{row['peak GB'] / first['peak GB']:.2f}")
     console.print(table)
     return rows
+
+
+# the setting of the side-by-side with TRL: the same model, adapter, group size, lengths, reward and optimiser
+TRL_SETTING = dict(model="smollm2-135m", task="addition", num_generations=8, prompts_per_step=2, max_new_tokens=64,
+                   learning_rate=1e-5, beta=0.04, lora_rank=16, lora_alpha=32, load_in_4bit=False, loss="dapo",
+                   temperature=1.0, gradient_checkpointing=True)
+
+
+def run_trl(steps: int) -> list[dict]:
+    """TRL's GRPOTrainer on TRL_SETTING in a fresh process; per-step seconds and peak resident memory."""
+    with tempfile.TemporaryDirectory(prefix="minigrpo-bench-trl-") as tmp:
+        out = Path(tmp) / "steps.json"
+        code = "import sys; from minigrpo.bench import _trl_child; _trl_child(int(sys.argv[1]), sys.argv[2])"
+        subprocess.run([sys.executable, "-c", code, str(steps), str(out)], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return json.loads(out.read_text())
+
+
+def _trl_child(steps: int, out: str) -> None:
+    import resource
+    import time
+
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from minigrpo.model import LORA_TARGETS, load_tokenizer, resolve_weights
+    from rewards.addition import addition_reward, make_data
+
+    s = TRL_SETTING
+    weights = resolve_weights(TrainConfig(model=s["model"]).hub_id)
+    rows = [{"prompt": [{"role": "user", "content": r["prompt"]}], "a": r["a"], "b": r["b"]}
+            for r in make_data("train", 0)]
+    records = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            records.append({"step": state.global_step, "time/step": time.perf_counter() - self.start,
+                            "mem/peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20})
+
+    tmp = tempfile.mkdtemp(prefix="minigrpo-trl-out-")
+    batch = s["num_generations"] * s["prompts_per_step"]
+    config = GRPOConfig(
+        output_dir=tmp, max_steps=steps, per_device_train_batch_size=batch, num_generations=s["num_generations"],
+        max_completion_length=s["max_new_tokens"], learning_rate=s["learning_rate"], beta=s["beta"],
+        loss_type=s["loss"], temperature=s["temperature"], gradient_checkpointing=s["gradient_checkpointing"],
+        logging_steps=1, save_strategy="no", report_to=[], bf16=False, fp16=False, use_cpu=True, seed=0,
+    )
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(weights), reward_funcs=addition_reward, args=config,
+        train_dataset=Dataset.from_list(rows), processing_class=load_tokenizer(weights), callbacks=[Clock()],
+        peft_config=LoraConfig(r=s["lora_rank"], lora_alpha=s["lora_alpha"], target_modules=LORA_TARGETS,
+                               task_type="CAUSAL_LM"),
+    )
+    trainer.train()
+    Path(out).write_text(json.dumps(records))
+
+
+def compare_with_trl(steps: int = 6, rounds: int = 1, console: Console | None = None) -> None:
+    """TRL's GRPOTrainer, minigrpo with transformers generation, and minigrpo with vLLM, taking turns."""
+    console = console or Console(width=140)
+    ours = {k: v for k, v in TRL_SETTING.items() if k != "lora_alpha"}
+    columns = {"TRL GRPOTrainer": None, "minigrpo (hf)": dict(ours, generator="hf"),
+               "minigrpo (vllm)": dict(ours, generator="vllm")}
+    steps_of: dict[str, list[dict]] = {name: [] for name in columns}
+    for r in range(rounds):
+        for name, settings in columns.items():
+            console.print(f"round {r + 1}/{rounds}: {name}", highlight=False)
+            records = run_trl(steps) if settings is None else run_variant(dict(settings, steps=steps,
+                                                                               lora_alpha=TRL_SETTING["lora_alpha"]))
+            steps_of[name] += records[1:]  # the first step pays for warm-up
+    table = Table(title=f"{TRL_SETTING}; median over steps 2..{steps}, {rounds} round(s)")
+    for column in ("trainer", "s/step", "x TRL", "peak GB", "x TRL mem"):
+        table.add_column(column)
+    base = None
+    for name, records in steps_of.items():
+        seconds = statistics.median(m["time/step"] for m in records)
+        peak = max(m["mem/peak_gb"] for m in records)
+        base = base or (seconds, peak)
+        table.add_row(name, f"{seconds:.2f}", f"{seconds / base[0]:.2f}", f"{peak:.2f}", f"{peak / base[1]:.2f}")
+    console.print(table)
+
+
+def _memory_child(path: str, rows: int, length: int, out: str) -> None:
+    """One log-prob + loss pass (forward and backward) with the tiny model; peak memory above the baseline."""
+    import resource
+
+    import torch
+
+    from minigrpo import loss as L
+    from minigrpo.model import full_logprobs, load_policy, load_tokenizer, resolve_weights, token_logprobs
+
+    cfg = TrainConfig(load_in_4bit=torch.cuda.is_available())
+    weights = resolve_weights(cfg.hub_id)
+    model = load_policy(cfg, weights)
+    tokenizer = load_tokenizer(weights)
+    device = model.device
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, tokenizer.vocab_size, (rows, 32 + length), generator=g).to(device)
+    attention = torch.ones_like(ids)
+    mask = torch.ones(rows, length, dtype=torch.bool, device=device)
+    rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # noqa: E731
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() / 2**30
+    else:
+        before = rss()
+    logps = (token_logprobs(model, ids, attention, length) if path == "chunked"
+             else full_logprobs(model, ids, attention, length))  # [rows, length]
+    loss, _ = L.policy_loss(logps, logps.detach(), None, torch.randn(rows, device=device), mask)
+    loss.backward()
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else rss()
+    Path(out).write_text(json.dumps({"extra_gb": peak - before}))
+
+
+def memory_scaling(lengths=(64, 256, 1024, 2048), rows_at=4, groups=(4, 8, 16, 32), length_at=256,
+                   console: Console | None = None) -> None:
+    """Peak memory of the log-prob + loss pass, chunked vs the full log-softmax, as length and G grow."""
+    console = console or Console(width=140)
+
+    def measure(path, rows, length):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "m.json"
+            code = ("import sys; from minigrpo.bench import _memory_child; "
+                    "_memory_child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])")
+            subprocess.run([sys.executable, "-c", code, path, str(rows), str(length), str(out)], check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            return json.loads(out.read_text())["extra_gb"]
+
+    for title, cases in ((f"completion length grows (G = {rows_at} rows in one pass)", [(rows_at, n) for n in lengths]),
+                         (f"G grows ({length_at} tokens each, all rows in one pass)", [(r, length_at) for r in groups])):
+        table = Table(title=f"extra peak memory of the log-prob + loss pass, GB: {title}")
+        for column in ("rows x tokens", "chunked (ours)", "full log-softmax", "full / chunked"):
+            table.add_column(column)
+        for rows, length in cases:
+            ours, naive = measure("chunked", rows, length), measure("full", rows, length)
+            table.add_row(f"{rows} x {length}", f"{ours:.2f}", f"{naive:.2f}", f"{naive / max(ours, 1e-3):.1f}")
+            console.print(f"  {rows} x {length}: chunked {ours:.2f} GB, full {naive:.2f} GB", highlight=False)
+        console.print(table)
+
+
+# the architectures of the presets, so `bench model` runs with random weights where the real ones are absent
+SHAPES = {
+    "smollm2-135m": ("llama", dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                   intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True)),
+    "smollm2-360m": ("llama", dict(hidden_size=960, num_hidden_layers=32, num_attention_heads=15, num_key_value_heads=5,
+                                   intermediate_size=2560, vocab_size=49152, tie_word_embeddings=True)),
+    "qwen-0.5b": ("qwen2", dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                                intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True)),
+    "qwen-1.5b": ("qwen2", dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                                intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True)),
+    "qwen-3b": ("qwen2", dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                              intermediate_size=11008, vocab_size=151936, tie_word_embeddings=True)),
+    "qwen-7b": ("qwen2", dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                              intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False)),
+    "llama-3.2-1b": ("llama", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                                   intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)),
+    "llama-3.2-3b": ("llama", dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
+                                   intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)),
+}
+
+
+def weights_or_random(preset: str, folder: Path) -> tuple[str, bool]:
+    """The preset's real weights where they are here (or reachable), else random weights of its shape
+    (speed and memory do not depend on the values) written to `folder`, with the offline tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from minigrpo.model import OFFLINE_HUB_ID, _hub_reachable, compute_dtype, load_tokenizer, resolve_weights
+
+    hub_id = TrainConfig(model=preset).hub_id
+    if hub_id == OFFLINE_HUB_ID or _hub_reachable(hub_id):
+        return resolve_weights(hub_id), False
+    if preset not in SHAPES:
+        raise ValueError(f"no weights for {preset} here and no known shape; known: {', '.join(SHAPES)}")
+    kind, shape = SHAPES[preset]
+    config = AutoConfig.for_model(kind, max_position_embeddings=4096, **shape)
+    model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype())
+    model.save_pretrained(folder)
+    tokenizer = load_tokenizer(resolve_weights(OFFLINE_HUB_ID))
+    tokenizer.save_pretrained(folder)
+    del model
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return str(folder), True
+
+
+def bench_model(preset: str, groups=(4, 8), lengths=(128, 256), steps: int = 3, generator: str = "auto",
+                console: Console | None = None) -> list[dict]:
+    """Generation tokens/s, seconds per step, sync time and peak memory for a few G x max-new-tokens,
+    then a memory plan for the rest, from a straight-line fit of peak memory to tokens per step."""
+    import torch
+
+    console = console or Console(width=140)
+    with tempfile.TemporaryDirectory(prefix="minigrpo-bench-model-") as tmp:
+        weights, random_weights = weights_or_random(preset, Path(tmp) / "model")
+        console.print(f"{preset}: {'random weights of its shape' if random_weights else 'its real weights'}, "
+                      f"{'GPU: ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu'}",
+                      highlight=False)
+        base = TrainConfig(model=preset)
+        rows = []
+        for G in groups:
+            for n in lengths:
+                settings = dict(model=weights, task="addition", steps=steps, num_generations=G, max_new_tokens=n,
+                                prompts_per_step=base.prompts_per_step, lora_rank=base.lora_rank,
+                                learning_rate=base.learning_rate, generator=generator)
+                metrics = run_variant(settings)
+                metrics = metrics[1:] or metrics  # the first step pays for warm-up
+                med = lambda k: statistics.median(m.get(k, 0.0) for m in metrics)  # noqa: E731
+                rows.append({"G": G, "max_new_tokens": n, "prompts": base.prompts_per_step,
+                             "s/step": med("time/step"), "tokens/s": med("tokens_per_s"), "sync s": med("time/sync"),
+                             "peak GB": max(m["mem/peak_gb"] for m in metrics)})
+    table = Table(title=f"minigrpo bench --model {preset} (measured; median over steps 2..{steps})")
+    for column in ("G", "prompts/step", "max new tokens", "s/step", "generation tokens/s", "sync s", "peak GB"):
+        table.add_column(column)
+    for r in rows:
+        table.add_row(str(r["G"]), str(r["prompts"]), str(r["max_new_tokens"]), f"{r['s/step']:.2f}",
+                      f"{r['tokens/s']:.0f}", f"{r['sync s']:.3f}", f"{r['peak GB']:.2f}")
+    console.print(table)
+    _memory_plan(rows, console)
+    return rows
+
+
+def _memory_plan(rows: list[dict], console: Console) -> None:
+    x = [r["G"] * r["prompts"] * r["max_new_tokens"] for r in rows]
+    y = [r["peak GB"] for r in rows]
+    if len(set(x)) < 2:
+        return
+    slope, intercept = statistics.linear_regression(x, y)
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None
+    table = Table(title="memory plan (estimated from the fit above: peak GB = "
+                        f"{intercept:.2f} + {slope * 1000:.3f} per 1000 completion tokens per step)")
+    for column in ("G", "max new tokens", "estimated peak GB", "fits" if total else "fits a 16 GB card"):
+        table.add_column(column)
+    budget = total or 16.0
+    for G in (4, 8, 16):
+        for n in (256, 512, 1024, 2048):
+            need = intercept + slope * G * rows[0]["prompts"] * n
+            table.add_row(str(G), str(n), f"{need:.1f}", "yes" if need < 0.9 * budget else "no")
+    console.print(table)
+    if total:
+        console.print(f"with vLLM, give the engine what the trainer leaves: --gpu-memory-utilization about "
+                      f"{max(0.1, min(0.9, 1 - max(y) / total - 0.05)):.2f} at the largest setting measured")

@@ -108,32 +108,23 @@ def eval_command(
     samples: int = typer.Option(4, help="Samples per prompt for the mean reward."),
     max_new_tokens: int = typer.Option(None, help="Completion length limit [default: the run's, else the preset's]."),
     out: str = typer.Option(None, help="Folder for eval.jsonl [default: the adapter's run folder]."),
-    seed: int = typer.Option(0),
+    seed: int = typer.Option(None, help="Seed of the held-out split [default: the run's, else 0]."),
 ) -> None:
     """Evaluate the base model or a trained adapter on the task's held-out split: pass@1 and mean reward."""
     from pathlib import Path
 
     from minigrpo.evaluate import Evaluator
     from minigrpo.generation import HFGenerator
-    from minigrpo.model import load_policy, load_tokenizer, resolve_weights
+    from minigrpo.model import load_trained
     from minigrpo.tasks import get_task
     from minigrpo.train import seed_everything
 
+    # the run's own seed by default: it decides the held-out split, which must be the one training never saw
+    policy, tokenizer, cfg = load_trained(adapter, model, max_new_tokens=max_new_tokens, eval_prompts=prompts,
+                                          eval_samples=samples, seed=seed)
+    seed_everything(cfg.seed)
     run_dir = Path(adapter).parent if adapter else None
-    base = TrainConfig.load(run_dir / "config.json") if run_dir and (run_dir / "config.json").exists() else None
-    cfg = TrainConfig(model=model or (base.model if base else "smollm2-135m"), task="addition", seed=seed,
-                      max_new_tokens=max_new_tokens or (base.max_new_tokens if base else None),
-                      temperature=base.temperature if base else 1.0, eval_prompts=prompts, eval_samples=samples,
-                      load_in_4bit=base.load_in_4bit if base else None,
-                      lora_rank=1)
-    seed_everything(seed)
     t = get_task(task, reward)
-    weights_path = resolve_weights(cfg.hub_id)
-    tokenizer = load_tokenizer(weights_path)
-    policy = load_policy(cfg, weights_path)
-    if adapter:
-        policy.load_adapter(adapter, adapter_name="trained")
-        policy.set_adapter("trained")
     result = Evaluator(cfg, t, t.weights, tokenizer, HFGenerator(policy, tokenizer), out or run_dir)(None)
     Console().print(f"{'adapter ' + adapter if adapter else 'base model ' + cfg.model} on {t.name}: "
                     f"pass@1 {result['pass@1']:.3f} ± {result['pass@1/stderr']:.3f}, mean reward "
@@ -196,22 +187,101 @@ def check_reward(
                      f"{t.name}: worked examples", console)
     if no_model:
         return
-    from minigrpo.generation import HFGenerator, Sampling
-    from minigrpo.model import load_policy, load_tokenizer, resolve_weights
-    from minigrpo.train import render_prompt, seed_everything
+    from minigrpo.generation import sample_texts
 
-    seed_everything(seed)
-    cfg = TrainConfig(model=model, task="addition", max_new_tokens=max_new_tokens, lora_rank=1)
-    weights = resolve_weights(cfg.hub_id)
-    tokenizer = load_tokenizer(weights)
-    policy = load_policy(cfg, weights)  # its fresh adapter is zero: this samples the base model
-    prompt_ids = [tokenizer(render_prompt(tokenizer, r["prompt"]), add_special_tokens=False).input_ids for r in rows]
-    rollout = HFGenerator(policy, tokenizer).generate(prompt_ids, Sampling(samples, cfg.max_new_tokens))
-    completions = tokenizer.batch_decode(rollout.completion_ids, skip_special_tokens=True)
+    length = max_new_tokens or TrainConfig(model=model).max_new_tokens
+    completions = sample_texts([r["prompt"] for r in rows], model=model, n=samples, max_new_tokens=length,
+                               temperature=1.0, seed=seed)
     sampled_rows = [r for r in rows for _ in range(samples)]
     print_report(check_rewards(t, sampled_rows, completions),
                  f"{t.name}: {len(completions)} completions sampled from {model}", console)
     console.print(f"[bold]a sample[/]: {completions[0]!r}", highlight=False)
+
+
+@app.command()
+def sample(
+    prompt: list[str] = typer.Argument(..., help="One or more prompts (user messages)."),
+    adapter: str = typer.Option(None, help="A trained adapter folder (runs/<run>/adapter); none: the base model."),
+    model: str = typer.Option(None, help="Base model [default: the adapter's run config, else smollm2-135m]."),
+    n: int = typer.Option(1, help="Completions per prompt."),
+    max_new_tokens: int = typer.Option(256, help="Completion length limit."),
+    temperature: float = typer.Option(0.7, help="Sampling temperature; 0 is greedy."),
+    seed: int = typer.Option(0),
+) -> None:
+    """Sample completions from a trained adapter (or the base model) for a few prompts."""
+    from minigrpo.generation import sample_texts
+
+    console = Console()
+    for i, text in enumerate(sample_texts(prompt, adapter, model, n, max_new_tokens, temperature, seed)):
+        console.print(f"[bold]{prompt[i // n]}[/]\n{text}\n", highlight=False)
+
+
+@app.command()
+def chat(
+    adapter: str = typer.Option(None, help="A trained adapter folder; none: the base model."),
+    model: str = typer.Option(None, help="Base model [default: the adapter's run config, else smollm2-135m]."),
+    max_new_tokens: int = typer.Option(256, help="Reply length limit."),
+    temperature: float = typer.Option(0.7, help="Sampling temperature; 0 is greedy."),
+) -> None:
+    """Talk to a trained adapter; an empty line or `exit` ends the chat."""
+    from minigrpo.generation import HFGenerator, Sampling
+    from minigrpo.model import load_trained
+    from minigrpo.rollout import render_prompt
+
+    policy, tokenizer, _ = load_trained(adapter, model)
+    generator, history, console = HFGenerator(policy, tokenizer), [], Console()
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line or line == "exit":
+            break
+        history.append({"role": "user", "content": line})
+        ids = tokenizer(render_prompt(tokenizer, history), add_special_tokens=False).input_ids
+        out = generator.generate([ids], Sampling(1, max_new_tokens, temperature))
+        reply = tokenizer.decode(out.completion_ids[0], skip_special_tokens=True)
+        history.append({"role": "assistant", "content": reply})
+        console.print(f"[bold]model>[/] {reply}", highlight=False)
+
+
+@app.command()
+def export(
+    run: str = typer.Argument(..., help="A run folder."),
+    out: str = typer.Option(..., help="Where to write the exported model."),
+    merge: bool = typer.Option(True, "--merge/--adapter-only",
+                               help="A merged standalone model, or just the PEFT adapter folder."),
+    dtype: str = typer.Option("bfloat16", help="Weights of the merged model: bfloat16, float16 or float32."),
+) -> None:
+    """Export a trained run: a merged 16-bit model that transformers and vLLM load, or the adapter alone."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+
+    adapter = Path(run) / "adapter"
+    if not (adapter / "adapter_config.json").exists():
+        raise typer.BadParameter(f"{run} has no trained adapter (expected {adapter})")
+    if not merge:
+        shutil.copytree(adapter, out, dirs_exist_ok=True)
+        Console().print(f"copied the adapter to {out}")
+        return
+    from minigrpo.model import export_weights, load_trained
+
+    policy, tokenizer, _ = load_trained(adapter)
+    export_weights(policy, tokenizer, Path(out), getattr(torch, dtype), merge_adapter=True)
+    Console().print(f"wrote a merged {dtype} model to {out}")
+
+
+@app.command()
+def plot(
+    run: str = typer.Argument(..., help="A run folder."),
+    out: str = typer.Option(None, help="PNG path [default: <run>/curves.png]."),
+) -> None:
+    """Write a run's curves (reward and its parts, groups with spread, eval, KL, length, step time) as a PNG."""
+    from minigrpo.plot import plot_run
+
+    Console().print(f"wrote {plot_run(run, out)}")
 
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figures.")
@@ -233,6 +303,39 @@ def bench_compare(
         name, _, settings = item.partition(":")
         variants[name] = parse_settings([s for s in settings.split(",") if s])
     compare(variants, {**parse_settings(set_), "steps": steps}, rounds)
+
+
+@bench_app.command("trl")
+def bench_trl(
+    steps: int = typer.Option(6, help="Steps per run; the first is left out of the medians."),
+    rounds: int = typer.Option(1, help="Runs per trainer, taken in turns."),
+) -> None:
+    """Side by side with TRL's GRPOTrainer on one setting (needs `pip install trl`): s/step, peak memory."""
+    from minigrpo.bench import compare_with_trl
+
+    compare_with_trl(steps, rounds)
+
+
+@bench_app.command("memory")
+def bench_memory() -> None:
+    """Peak memory of the log-prob + loss pass, chunked vs full logits, as length and G grow (tiny model)."""
+    from minigrpo.bench import memory_scaling
+
+    memory_scaling()
+
+
+@bench_app.command("model")
+def bench_model_command(
+    model: str = typer.Option("smollm2-135m", "--model", help="A preset; random weights of its shape if absent."),
+    group: list[int] = typer.Option([4, 8], "--group", "-G", help="Values of G to measure (repeat)."),
+    max_new_tokens: list[int] = typer.Option([64, 128], help="Completion lengths to measure (repeat)."),
+    steps: int = typer.Option(3, help="Steps per setting; the first is left out."),
+    generator: str = typer.Option("auto", help="vllm | hf | auto."),
+) -> None:
+    """On this machine: generation tokens/s, s/step, sync, peak memory, and which settings fit."""
+    from minigrpo.bench import bench_model
+
+    bench_model(model, tuple(group), tuple(max_new_tokens), steps, generator)
 
 
 def main() -> None:

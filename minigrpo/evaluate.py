@@ -32,7 +32,7 @@ class Evaluator:
         self.out = Path(out_dir) / "eval.jsonl" if out_dir else None
 
     def __call__(self, step: int | None = None) -> dict:
-        from minigrpo.train import render_prompt
+        from minigrpo.rollout import render_prompt
 
         start = time.perf_counter()
         prompt_ids = [self.tokenizer(render_prompt(self.tokenizer, r["prompt"]), add_special_tokens=False).input_ids

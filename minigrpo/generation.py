@@ -99,3 +99,17 @@ def make_generator(cfg, model, tokenizer) -> Generator:
     return VLLMGenerator(model, tokenizer, lora_rank=cfg.lora_rank, seed=cfg.seed,
                          max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens,
                          gpu_memory_utilization=cfg.gpu_memory_utilization)
+
+
+def sample_texts(prompts: list, adapter=None, model: str | None = None, n: int = 1, max_new_tokens: int = 256,
+                 temperature: float = 0.7, seed: int = 0) -> list[str]:
+    """Completions (n per prompt, grouped) from a trained adapter, or from the base model without one."""
+    from minigrpo.model import load_trained
+    from minigrpo.rollout import render_prompt
+    from minigrpo.train import seed_everything
+
+    seed_everything(seed)
+    policy, tokenizer, _ = load_trained(adapter, model)
+    ids = [tokenizer(render_prompt(tokenizer, p), add_special_tokens=False).input_ids for p in prompts]
+    out = HFGenerator(policy, tokenizer).generate(ids, Sampling(n, max_new_tokens, temperature))
+    return tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)

@@ -222,3 +222,78 @@ def full_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
                    position_ids=positions(attention_mask)).logits.float() / temperature  # [B, L, V]
     logps = F.log_softmax(logits[:, -n_completion - 1:-1], dim=-1)  # [B, T, V]
     return logps.gather(-1, input_ids[:, -n_completion:].unsqueeze(-1)).squeeze(-1)  # [B, T]
+
+
+def export_weights(model, tokenizer, folder: Path, dtype: torch.dtype, merge_adapter: bool) -> None:
+    """The policy as a plain transformers folder: the base (4-bit layers dequantized) in `dtype`, with the
+    LoRA update W + scale x B @ A folded in when `merge_adapter`, else the base alone."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    inner = model.get_base_model()
+    state = {}
+    for name, module in inner.named_modules():
+        if hasattr(module, "base_layer") and hasattr(module, "lora_A"):  # a LoRA-wrapped linear layer
+            weight = _dense_weight(module.base_layer)
+            if merge_adapter and "default" in module.lora_A and not getattr(module, "disable_adapters", False):
+                a, b = module.lora_A["default"].weight.float(), module.lora_B["default"].weight.float()
+                weight = weight + module.scaling["default"] * (b @ a)
+            state[f"{name}.weight"] = weight
+            if module.base_layer.bias is not None:
+                state[f"{name}.bias"] = module.base_layer.bias.detach().float()
+    for name, param in list(inner.named_parameters()) + list(inner.named_buffers()):
+        if "lora_" in name or ".base_layer." in name or "rotary_emb" in name:
+            continue
+        state[name] = param.detach().float()
+    state = {k: v.to("cpu", dtype).contiguous() for k, v in state.items()}
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = copy.deepcopy(inner.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = dtype
+    config.use_cache = True
+    config.save_pretrained(folder)
+    inner.generation_config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def _dense_weight(layer) -> torch.Tensor:
+    weight = layer.weight
+    if hasattr(weight, "quant_state"):  # a bitsandbytes 4-bit weight
+        from bitsandbytes.functional import dequantize_4bit
+
+        return dequantize_4bit(weight.data, weight.quant_state).float()
+    return weight.detach().float()
+
+
+def load_trained(adapter: str | Path | None, model: str | None = None, **overrides):
+    """A run's policy for sampling or export: its base (as the run loaded it) with the trained adapter.
+    Returns (model, tokenizer, config)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    run_dir = Path(adapter).parent if adapter else None
+    saved = run_dir / "config.json" if run_dir else None
+    cfg = TrainConfig.load(saved) if saved and saved.exists() else TrainConfig(model=model or "smollm2-135m",
+                                                                              lora_rank=1)
+    if model:
+        cfg.model = model
+    for key, value in overrides.items():
+        if value is not None:
+            setattr(cfg, key, value)
+    weights = resolve_weights(cfg.hub_id)
+    tokenizer = load_tokenizer(weights)
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype(),
+                               bnb_4bit_use_double_quant=True) if cfg.load_in_4bit else None
+    base = AutoModelForCausalLM.from_pretrained(weights, dtype=compute_dtype(), quantization_config=quant,
+                                                device_map={"": device()})
+    if adapter:
+        policy = PeftModel.from_pretrained(base, str(adapter))
+    else:
+        from peft import LoraConfig, get_peft_model
+
+        policy = get_peft_model(base, LoraConfig(r=1, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    return policy.eval(), tokenizer, cfg

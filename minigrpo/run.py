@@ -42,7 +42,3 @@ class RunFolder:
         out = self.path / "adapter"
         model.save_pretrained(out)
         return out
-
-    def metrics(self) -> list[dict]:
-        path = self.path / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

@@ -16,7 +16,6 @@ Everything that depends on vLLM's internals (where the LoRA layers live, how the
 
 from __future__ import annotations
 
-import copy
 import os
 import random
 import tempfile
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 from minigrpo.generation import Rollout, Sampling
+from minigrpo.model import export_weights
 
 LORA_ID = 1  # the one adapter the engine serves: the policy
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the slot sizes vLLM allocates
@@ -49,7 +49,7 @@ class VLLMGenerator:
         dtype = dtype or (model.dtype if on_gpu else torch.float32)  # fp32 is ~4x faster on cpu
         self.folder = tempfile.TemporaryDirectory(prefix="minigrpo-engine-")
         base_dir, adapter_dir = Path(self.folder.name) / "base", Path(self.folder.name) / "adapter"
-        export_base(model, tokenizer, base_dir, dtype)
+        export_weights(model, tokenizer, base_dir, dtype, merge_adapter=False)
         model.save_pretrained(adapter_dir)  # registers the adapter's shape once; its values come by sync
 
         self.sleep_mode = on_gpu  # vLLM refuses sleep mode on cpu
@@ -165,30 +165,3 @@ def _write_lora(worker, lora_id: int, weights: dict[str, tuple[torch.Tensor, tor
         layer.set_lora(index, a if packed else a[0], b if packed else b[0])
         written += 1
     return written
-
-
-def export_base(model, tokenizer, folder: Path, dtype: torch.dtype) -> None:
-    """The base model without adapters as a plain 16/32-bit transformers folder, 4-bit layers dequantized."""
-    from safetensors.torch import save_file
-
-    inner = model.get_base_model()
-    state = {}
-    for name, param in list(inner.named_parameters()) + list(inner.named_buffers()):
-        if "lora_" in name:
-            continue
-        if hasattr(param, "quant_state"):  # a bitsandbytes 4-bit weight
-            from bitsandbytes.functional import dequantize_4bit
-
-            param = dequantize_4bit(param.data, param.quant_state)
-        state[name.replace(".base_layer.", ".")] = param.detach().to("cpu", dtype).contiguous()
-    state = {k: v for k, v in state.items() if "rotary_emb" not in k}
-    folder.mkdir(parents=True)
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    config = copy.deepcopy(inner.config)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.dtype = dtype
-    config.use_cache = True
-    config.save_pretrained(folder)
-    inner.generation_config.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)

@@ -1,6 +1,5 @@
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from minigrpo.config import TrainConfig

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from minigrpo import TrainConfig, train
 from minigrpo.cli import app
-from minigrpo.train import PromptPool
+from minigrpo.rollout import PromptPool
 
 SMALL = dict(steps=2, num_generations=4, prompts_per_step=2, max_new_tokens=12, sample_every=0, seed=1)
 
@@ -78,11 +78,11 @@ def test_curriculum_retires_solved_prompts_and_visits_unsolved_ones_less():
 def test_eval_before_and_after(tmp_path):
     run = train(TrainConfig(output_dir=str(tmp_path / "run"), eval_every=2, eval_prompts=4, eval_samples=2, **SMALL))
     evals = read(run / "eval.jsonl")
-    assert [e["step"] for e in evals] == [2]
+    assert [e["step"] for e in evals] == [0, 2]
     args = ["eval", "--task", "addition", "--prompts", "4", "--samples", "2", "--max-new-tokens", "12"]
     base = CliRunner().invoke(app, args + ["--out", str(tmp_path)])
     after = CliRunner().invoke(app, args + ["--adapter", str(run / "adapter")])
     assert base.exit_code == 0 and after.exit_code == 0, base.output + after.output
     assert "base model smollm2-135m on addition: pass@1" in base.output
     assert "adapter" in after.output and "pass@1" in after.output
-    assert len(read(run / "eval.jsonl")) == 2 and len(read(tmp_path / "eval.jsonl")) == 1
+    assert len(read(run / "eval.jsonl")) == 3 and len(read(tmp_path / "eval.jsonl")) == 1

@@ -1,0 +1,65 @@
+"""`minigrpo plot runs/<run>`: the curves of a run as PNG files, with matplotlib.
+
+One figure with a panel per figure of merit: reward (and each reward part), the share of groups whose
+rewards differ, held-out evaluation when the run has one, KL, completion length, and seconds per step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def plot_run(run_dir: Path, out: Path | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if not m.get("skipped")]
+    if not metrics:
+        raise ValueError(f"{run_dir} has no metrics to plot")
+    evals = [e for e in read_jsonl(run_dir / "eval.jsonl") if e.get("step") is not None]
+    steps = [m["step"] for m in metrics]
+    parts = sorted({k for m in metrics for k in m if k.startswith("reward/") and k.endswith("/mean")
+                    and k != "reward/mean"})
+    panels = [
+        ("reward (train)", [("reward/mean", "total")] + [(k, k[len("reward/"):-len("/mean")]) for k in parts]),
+        ("share of groups with reward spread", [("frac_groups_reward_differs", "spread")]),
+        ("KL to the reference", [("kl", "kl")]),
+        ("completion length (tokens)", [("completion_len/mean", "mean"), ("completion_len/max", "max")]),
+        ("seconds per step", [("time/step", "step"), ("time/generate", "generate"), ("time/train", "train")]),
+    ]
+    n = len(panels) + bool(evals)
+    fig, axes = plt.subplots(n, 1, figsize=(8, 2.4 * n), sharex=True)
+    if evals:
+        ax = axes[0]
+        for key, label in (("reward/mean", "mean reward"), ("pass@1", "pass@1 (greedy)")):
+            ys = [e[key] for e in evals]
+            errs = [e.get(key + "/stderr" if key == "pass@1" else "reward/stderr", 0) for e in evals]
+            ax.errorbar([e["step"] for e in evals], ys, yerr=errs, marker="o", capsize=3, label=label)
+        ax.set_title(f"held-out evaluation ({evals[0]['prompts']} prompts x {evals[0]['samples_per_prompt']} samples)")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax, (title, series) in zip(axes[bool(evals):], panels):
+        for key, label in series:
+            ys = [m.get(key) for m in metrics]
+            if any(y is not None for y in ys):
+                ax.plot(steps, [float("nan") if y is None else y for y in ys], label=label)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if len(series) > 1:
+            ax.legend(fontsize=8)
+    axes[-1].set_xlabel("step")
+    config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
+    fig.suptitle(f"{config.get('model', '')} on {config.get('task', '')}: {run_dir.name}", fontsize=10)
+    fig.tight_layout()
+    out = Path(out) if out else run_dir / "curves.png"
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

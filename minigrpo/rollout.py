@@ -1,0 +1,177 @@
+"""Rollouts: prompts drawn from the pool, G completions each, decoded and scored; with filter_groups, only
+the groups whose rewards differ (DAPO's dynamic sampling); and the prompt pool with its curriculum."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from minigrpo import loss as L
+from minigrpo.config import TrainConfig
+from minigrpo.generation import Generator, Sampling
+from minigrpo.scoring import Scores, score
+from minigrpo.tasks import Task
+
+
+def render_prompt(tokenizer, prompt: str | list[dict]) -> str:
+    """A prompt as the model sees it: through its chat template when it has one."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "\n".join(m["content"] for m in messages) + "\n"
+
+
+@dataclass
+class Groups:
+    """Completions for some prompts, G per prompt, in group order, with their scores."""
+    rows: list[dict]  # [P] data rows
+    prompt_ids: list[list[int]]  # [P]
+    completion_ids: list[list[int]]  # [B = P x G]
+    completions: list  # [B] decoded text
+    truncated: list[bool]  # [B]
+    sampler_logps: list[list[float]] | None  # [B], from engines that report them
+    scores: Scores
+    generate_s: float = 0.0  # seconds spent sampling these
+    reward_s: float = 0.0  # seconds spent scoring them
+
+    def select(self, groups: list[int], G: int) -> "Groups":
+        rows = [i * G + j for i in groups for j in range(G)]
+        pick = lambda xs: [xs[i] for i in rows] if xs is not None else None  # noqa: E731
+        scores = Scores([self.scores.totals[i] for i in rows], {k: pick(v) for k, v in self.scores.values.items()},
+                        {k: pick(v) for k, v in self.scores.parts.items()}, dict(self.scores.errors))
+        return Groups([self.rows[i] for i in groups], [self.prompt_ids[i] for i in groups], pick(self.completion_ids),
+                      pick(self.completions), pick(self.truncated), pick(self.sampler_logps), scores,
+                      self.generate_s, self.reward_s)
+
+    def __add__(self, other: "Groups") -> "Groups":
+        both = lambda a, b: a + b if a is not None and b is not None else None  # noqa: E731
+        merged = lambda a, b: {k: a.get(k, [None] * len(self.completions)) + b.get(k, [None] * len(other.completions))
+                               for k in a.keys() | b.keys()}  # noqa: E731
+        errors = {k: self.scores.errors.get(k, 0) + other.scores.errors.get(k, 0)
+                  for k in self.scores.errors.keys() | other.scores.errors.keys()}
+        scores = Scores(self.scores.totals + other.scores.totals, merged(self.scores.values, other.scores.values),
+                        merged(self.scores.parts, other.scores.parts), errors)
+        return Groups(self.rows + other.rows, self.prompt_ids + other.prompt_ids,
+                      self.completion_ids + other.completion_ids, self.completions + other.completions,
+                      self.truncated + other.truncated, both(self.sampler_logps, other.sampler_logps), scores,
+                      self.generate_s + other.generate_s, self.reward_s + other.reward_s)
+
+
+def rollout(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, weights: list[float],
+            rows: list[dict]) -> Groups:
+    """G completions for each row's prompt, decoded and scored."""
+    G = cfg.num_generations
+    prompt_texts = [render_prompt(tokenizer, row["prompt"]) for row in rows]
+    prompt_ids = [tokenizer(text, add_special_tokens=False).input_ids for text in prompt_texts]
+    for row, ids in zip(rows, prompt_ids):
+        if len(ids) > cfg.max_prompt_tokens:
+            raise ValueError(f"a prompt of {len(ids)} tokens is longer than max_prompt_tokens="
+                             f"{cfg.max_prompt_tokens}: {str(row['prompt'])[:80]!r}...")
+    t0 = time.perf_counter()
+    out = generator.generate(prompt_ids, Sampling(G, cfg.max_new_tokens, cfg.temperature, cfg.top_p))
+    t1 = time.perf_counter()
+    completions = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+    if isinstance(rows[0]["prompt"], list):  # chat-format data gets chat-format completions, as in TRL
+        completions = [[{"role": "assistant", "content": c}] for c in completions]
+    scores = score(task.rewards, weights, [rows[i // G]["prompt"] for i in range(len(completions))], completions,
+                   out.completion_ids, [rows[i // G] for i in range(len(completions))], strict=cfg.strict_rewards)
+    return Groups(rows, prompt_ids, out.completion_ids, completions, out.truncated, out.sampler_logps, scores,
+                  t1 - t0, time.perf_counter() - t1)
+
+
+def collect(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, weights: list[float],
+            prompts: "PromptPool") -> tuple[Groups, dict]:
+    """The step's groups. With filter_groups, groups whose rewards are all equal (no gradient) are
+    dropped and more prompts are drawn, for at most max_filter_rounds extra rounds (DAPO's dynamic sampling)."""
+    G = cfg.num_generations
+    batch = rollout(cfg, tokenizer, generator, task, weights, prompts.draw(cfg.prompts_per_step))
+    prompts.record(batch.rows, batch.scores.totals, G, cfg.solved_reward)
+    spread = L.groups_with_spread(torch.tensor(batch.scores.totals), G).tolist()
+    info = {"frac_groups_reward_differs": float(np.mean(spread)), "filter/extra_rounds": 0,
+            "tokens_generated": sum(map(len, batch.completion_ids)),
+            "generate_s": batch.generate_s, "reward_s": batch.reward_s}
+    if not cfg.filter_groups:
+        return batch, info
+    kept = batch.select([i for i, s in enumerate(spread) if s], G)
+    while len(kept.rows) < cfg.prompts_per_step and info["filter/extra_rounds"] < cfg.max_filter_rounds:
+        info["filter/extra_rounds"] += 1
+        more = rollout(cfg, tokenizer, generator, task, weights, prompts.draw(cfg.prompts_per_step))
+        prompts.record(more.rows, more.scores.totals, G, cfg.solved_reward)
+        info["tokens_generated"] += sum(map(len, more.completion_ids))
+        info["generate_s"] += more.generate_s
+        info["reward_s"] += more.reward_s
+        spread = L.groups_with_spread(torch.tensor(more.scores.totals), G).tolist()
+        kept = kept + more.select([i for i, s in enumerate(spread) if s], G)
+    kept = kept.select(list(range(min(len(kept.rows), cfg.prompts_per_step))), G)
+    info["filter/groups_trained"] = len(kept.rows)
+    return kept, info
+
+
+class PromptPool:
+    """Rows in a seeded random order, epoch after epoch; with `retire_after` K > 0, a curriculum: a prompt
+    solved by every completion on K visits in a row leaves the pool, and a prompt never solved is drawn
+    less often (after m such visits it is skipped with probability m / (m + 1))."""
+
+    def __init__(self, rows: list[dict], seed: int, retire_after: int = 0):
+        if not rows:
+            raise ValueError("the task has no data rows")
+        self.rows, self.rng, self.retire_after = rows, random.Random(seed), retire_after
+        self.order: list[int] = []
+        self.solved_streak = [0] * len(rows)
+        self.unsolved_visits = [0] * len(rows)
+        self.retired: set[int] = set()
+        self.index = {id(row): i for i, row in enumerate(rows)}
+
+    def draw(self, k: int) -> list[dict]:
+        out = []
+        while len(out) < k:
+            if len(self.retired) == len(self.rows):
+                self.retired.clear()  # everything solved: start over rather than stop
+            if not self.order:
+                self.order = self.rng.sample(range(len(self.rows)), len(self.rows))
+            i = self.order.pop()
+            if i in self.retired:
+                continue
+            m = self.unsolved_visits[i]
+            if self.retire_after and m and self.rng.random() < m / (m + 1):
+                continue
+            out.append(self.rows[i])
+        return out
+
+    def record(self, rows: list[dict], totals: list[float], G: int, solved_reward: float) -> None:
+        if not self.retire_after:
+            return
+        for g, row in enumerate(rows):
+            i = self.index[id(row)]
+            group = totals[g * G:(g + 1) * G]
+            if all(r >= solved_reward for r in group):
+                self.solved_streak[i] += 1
+                if self.solved_streak[i] >= self.retire_after:
+                    self.retired.add(i)
+            else:
+                self.solved_streak[i] = 0
+            if not any(r >= solved_reward for r in group):
+                self.unsolved_visits[i] += 1
+            else:
+                self.unsolved_visits[i] = 0
+
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.getstate(), "order": list(self.order), "solved_streak": list(self.solved_streak),
+                "unsolved_visits": list(self.unsolved_visits), "retired": sorted(self.retired)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["solved_streak"]) != len(self.rows):
+            raise ValueError("the checkpoint's prompt pool does not match this task's data")
+        self.rng.setstate(state["rng"])
+        self.order = list(state["order"])
+        self.solved_streak, self.unsolved_visits = list(state["solved_streak"]), list(state["unsolved_visits"])
+        self.retired = set(state["retired"])
+
+    def metrics(self) -> dict:
+        if not self.retire_after:
+            return {}
+        return {"pool/size": len(self.rows) - len(self.retired), "pool/retired": len(self.retired)}
