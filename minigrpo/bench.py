@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -104,7 +106,6 @@ def run_trl(steps: int) -> list[dict]:
 
 def _trl_child(steps: int, out: str) -> None:
     import resource
-    import time
 
     from datasets import Dataset
     from peft import LoraConfig
@@ -172,8 +173,9 @@ def compare_with_trl(steps: int = 6, rounds: int = 1, console: Console | None = 
 
 
 def _memory_child(path: str, rows: int, length: int, out: str) -> None:
-    """One log-prob + loss pass (forward and backward) with the tiny model; peak memory above the baseline."""
-    import resource
+    """One log-prob + loss pass (forward and backward, in training mode as in a step) with the tiny model;
+    its peak memory above what was in use just before it."""
+    import threading
 
     import torch
 
@@ -182,25 +184,43 @@ def _memory_child(path: str, rows: int, length: int, out: str) -> None:
 
     cfg = TrainConfig(load_in_4bit=torch.cuda.is_available())
     weights = resolve_weights(cfg.hub_id)
-    model = load_policy(cfg, weights)
+    model = load_policy(cfg, weights).train()
     tokenizer = load_tokenizer(weights)
     device = model.device
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(10, tokenizer.vocab_size, (rows, 32 + length), generator=g).to(device)
-    attention = torch.ones_like(ids)
-    mask = torch.ones(rows, length, dtype=torch.bool, device=device)
-    rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # noqa: E731
+    logprobs = token_logprobs if path == "chunked" else full_logprobs
+
+    def one_pass(rows: int, length: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(10, tokenizer.vocab_size, (rows, 32 + length), generator=g).to(device)
+        logps = logprobs(model, ids, torch.ones_like(ids), length)  # [rows, length]
+        mask = torch.ones(rows, length, dtype=torch.bool, device=device)
+        loss, _ = L.policy_loss(logps, logps.detach(), None, torch.randn(rows, device=device), mask)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    one_pass(1, 8)  # warm-up: thread pools and kernels allocate their buffers once
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated() / 2**30
-    else:
-        before = rss()
-    logps = (token_logprobs(model, ids, attention, length) if path == "chunked"
-             else full_logprobs(model, ids, attention, length))  # [rows, length]
-    loss, _ = L.policy_loss(logps, logps.detach(), None, torch.randn(rows, device=device), mask)
-    loss.backward()
-    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else rss()
-    Path(out).write_text(json.dumps({"extra_gb": peak - before}))
+        before = torch.cuda.memory_allocated()
+        one_pass(rows, length)
+        extra = (torch.cuda.max_memory_allocated() - before) / 2**30
+    else:  # the resident set, sampled every 2 ms while the pass runs
+        page = os.sysconf("SC_PAGE_SIZE")
+        rss = lambda: int(open("/proc/self/statm").read().split()[1]) * page  # noqa: E731
+        before, peak, running = rss(), [0], [True]
+
+        def watch():
+            while running[0]:
+                peak[0] = max(peak[0], rss())
+                time.sleep(0.002)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        one_pass(rows, length)
+        running[0] = False
+        watcher.join()
+        extra = (max(peak[0], rss()) - before) / 2**30
+    Path(out).write_text(json.dumps({"extra_gb": extra}))
 
 
 def memory_scaling(lengths=(64, 256, 1024, 2048), rows_at=4, groups=(4, 8, 16, 32), length_at=256,
@@ -213,8 +233,11 @@ def memory_scaling(lengths=(64, 256, 1024, 2048), rows_at=4, groups=(4, 8, 16, 3
             out = Path(tmp) / "m.json"
             code = ("import sys; from minigrpo.bench import _memory_child; "
                     "_memory_child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])")
+            # glibc keeps freed medium blocks in its heap, so the resident set would count memory that is free;
+            # serving every block over 64 KiB from mmap returns it on free, and the resident set tracks live tensors
+            env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
             subprocess.run([sys.executable, "-c", code, path, str(rows), str(length), str(out)], check=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
             return json.loads(out.read_text())["extra_gb"]
 
     for title, cases in ((f"completion length grows (G = {rows_at} rows in one pass)", [(rows_at, n) for n in lengths]),

@@ -59,6 +59,7 @@ def train(
     no_gradient_checkpointing: bool = typer.Option(False, "--no-gradient-checkpointing",
                                                    help="Faster steps, more activation memory."),
     sample_every: int = typer.Option(5, help="Show a sampled completion every N steps (0: never)."),
+    report_to: list[str] = typer.Option([], help="Also log to tensorboard and/or wandb (repeat); never by default."),
 ) -> None:
     """Train a LoRA adapter with GRPO and write a run folder."""
     from minigrpo.train import train as run_training
@@ -87,7 +88,7 @@ def train(
                 temperature=temperature, top_p=top_p, micro_batch_size=micro_batch_size, generator=generator,
                 gpu_memory_utilization=gpu_memory_utilization, tis_cap=tis_cap, seed=seed,
                 load_in_4bit=load_in_4bit, gradient_checkpointing=not no_gradient_checkpointing,
-                sample_every=sample_every,
+                sample_every=sample_every, report_to=report_to,
             )
         except ValueError as error:
             raise typer.BadParameter(str(error)) from None

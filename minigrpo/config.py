@@ -98,7 +98,7 @@ class TrainConfig:
 
     # memory
     micro_batch_size: int = 8  # completions per forward/backward; gradients accumulate across them
-    logprob_chunk_size: int = 128  # positions per lm-head chunk; bounds the logits memory
+    logprob_chunk_size: int = 512  # completion tokens per lm-head chunk; bounds the logits memory
 
     # checkpoints and bad states
     save_every: int = 10  # checkpoint every this many steps (and at the end); 0: only at the end
@@ -106,6 +106,7 @@ class TrainConfig:
     max_bad_steps: int = 3  # consecutive updates skipped for a NaN/inf loss or gradient before the run stops
 
     # console and logs
+    report_to: list[str] = field(default_factory=list)  # also send metrics to "tensorboard" and/or "wandb"
     sample_every: int = 5  # show one sampled completion every this many steps; 0 never
     rewards: list[str] = field(default_factory=list)  # extra reward functions, "file.py:function"
     reward_weights: list[float] | None = None  # one weight per reward function; None: the task's own
@@ -160,6 +161,7 @@ class TrainConfig:
             (self.num_iterations >= 1, "num_iterations must be at least 1"),
             (self.save_every >= 0 and self.keep >= 1, "save_every must be >= 0 and keep at least 1"),
             (self.max_bad_steps >= 1, "max_bad_steps must be at least 1"),
+            (set(self.report_to) <= {"tensorboard", "wandb"}, "report_to takes tensorboard and/or wandb"),
             (not (self.filter_groups and self.num_generations < 2), "filter_groups needs G >= 2"),
             (self.eval_every <= self.steps, f"eval_every={self.eval_every} is beyond the run's {self.steps} steps"),
             (self.max_filter_rounds >= 0, "max_filter_rounds must be >= 0"),

@@ -170,32 +170,33 @@ def lora_parameters(model) -> list[torch.nn.Parameter]:
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
-                   temperature: float = 1.0, chunk_size: int = 128, with_entropy: bool = False):
+                   temperature: float = 1.0, chunk_size: int = 512, with_entropy: bool = False):
     """Log-probs of the last `n_completion` tokens of each row, under `model`, at `temperature`
     (and, with `with_entropy`, the policy's entropy at each of those positions, detached).
 
-    The full-vocabulary logits are never held for the whole batch: hidden states go through the lm
-    head `chunk_size` positions at a time, and each chunk is checkpointed, so backward recomputes its
-    logits instead of keeping them. Extra memory is one chunk's logits, whatever the length.
+    The full-vocabulary logits are never held for the whole batch: the completion positions of all rows
+    go through the lm head `chunk_size` tokens at a time, and each chunk is checkpointed, so backward
+    recomputes its logits instead of keeping them. The extra memory is one chunk's logits, whatever the
+    number of rows and the length.
     """
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     hidden = inner.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=positions(attention_mask)).last_hidden_state  # [B, L, H]
-    hidden = hidden[:, -n_completion - 1:-1]  # [B, T, H]: position t predicts completion token t
-    targets = input_ids[:, -n_completion:]  # [B, T]
+    B = input_ids.shape[0]
+    hidden = hidden[:, -n_completion - 1:-1].reshape(B * n_completion, -1)  # [B*T, H]: t predicts token t
+    targets = input_ids[:, -n_completion:].reshape(-1)  # [B*T]
     head = inner.get_output_embeddings()
     logps, entropies = [], []
-    for start in range(0, n_completion, chunk_size):
-        h = hidden[:, start:start + chunk_size]  # [B, c, H]
-        t = targets[:, start:start + chunk_size]  # [B, c]
+    for start in range(0, B * n_completion, chunk_size):
+        h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]  # [c, H], [c]
         if torch.is_grad_enabled():
             logp, entropy = checkpoint(_chunk_logprobs, head, h, t, temperature, with_entropy, use_reentrant=False)
         else:
             logp, entropy = _chunk_logprobs(head, h, t, temperature, with_entropy)
         logps.append(logp)
         entropies.append(entropy)
-    logps = torch.cat(logps, dim=1)  # [B, T]
-    return (logps, torch.cat(entropies, dim=1)) if with_entropy else logps
+    logps = torch.cat(logps).view(B, n_completion)  # [B, T]
+    return (logps, torch.cat(entropies).view(B, n_completion)) if with_entropy else logps
 
 
 def positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -204,14 +205,14 @@ def positions(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
-    logits = head(hidden).float() / temperature  # [B, c, V]
-    normalizer = torch.logsumexp(logits, dim=-1)  # [B, c]
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normalizer  # [B, c]
-    entropy = torch.zeros_like(logp)  # [B, c]
+    logits = head(hidden).float() / temperature  # [c, V]
+    normalizer = torch.logsumexp(logits, dim=-1)  # [c]
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normalizer  # [c]
+    entropy = torch.zeros_like(logp)  # [c]
     if with_entropy:
         with torch.no_grad():
-            probs = torch.softmax(logits, dim=-1)  # [B, c, V]
-            entropy = normalizer - (probs * logits).sum(-1)  # [B, c]: H = logsumexp - E_p[logit]
+            probs = torch.softmax(logits, dim=-1)  # [c, V]
+            entropy = normalizer - (probs * logits).sum(-1)  # [c]: H = logsumexp - E_p[logit]
     return logp, entropy
 
 

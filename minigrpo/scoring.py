@@ -43,13 +43,17 @@ def per_sample(fn: Callable) -> Callable:
     def batch(prompts, completions, completion_ids=None, **columns):
         out = []
         for i, completion in enumerate(completions):
-            text = completion[-1]["content"] if isinstance(completion, list) else completion
             example = {key: values[i] for key, values in columns.items()}
-            out.append(fn(text, prompt=prompts[i], **example))
+            out.append(fn(text_of(completion), prompt=prompts[i], **example))
         return out
 
     batch.per_sample = fn
     return batch
+
+
+def text_of(completion) -> str:
+    """A completion's text, whether it came as a string or in chat format (a list of messages)."""
+    return completion[-1]["content"] if isinstance(completion, list) else completion
 
 
 def reward_name(fn: Callable) -> str:

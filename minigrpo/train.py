@@ -45,7 +45,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
                          f"{task.reward_names}")
     train_rows = task.make_data("train", cfg.seed)
     precheck_rewards(task, weights, train_rows)  # a broken reward stops here, before any model loads
-    run = RunFolder(Path(cfg.output_dir)) if resume else RunFolder.create(cfg)
+    run = RunFolder(Path(cfg.output_dir), cfg.report_to) if resume else RunFolder.create(cfg)
     display = Display(cfg.steps)
     display.print(f"[bold]minigrpo[/] {cfg.model} on {task.name}: {cfg.prompts_per_step} prompts x "
                   f"{cfg.num_generations} completions per step, {cfg.steps} steps -> {run.path}")
@@ -202,11 +202,13 @@ def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generat
             old_logps = [token_logprobs(model, ids, att, m.shape[1], cfg.temperature, cfg.logprob_chunk_size)
                          for ids, att, m in inputs]
     ref_logps = [None] * len(chunks)
+    t_reference = time.perf_counter()
     if cfg.beta > 0:
         with torch.no_grad(), model.disable_adapter():
             ref_logps = [token_logprobs(model, ids, att, m.shape[1], cfg.temperature, cfg.logprob_chunk_size)
                          for ids, att, m in inputs]
 
+    t_reference = time.perf_counter() - t_reference
     totals = dict.fromkeys(("loss", "kl", "clip_frac", "ratio/mean", "entropy"), 0.0)
     nonfinite = False
     gap_sum, gap_max, grad_norms = 0.0, 0.0, []
@@ -264,7 +266,8 @@ def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generat
         "grad_norm": float(np.mean(grad_norms)),
         "time/generate": batch_seconds[0],  # with any extra filter rounds
         "time/reward": batch_seconds[1],
-        "time/train": t_sync - t_rollout,
+        "time/train": t_sync - t_rollout,  # reference pass, forward, backward and optimizer
+        "time/reference": t_reference,
         "time/sync": t_end - t_sync,
         "time/step": t_end - t0,
         "tokens_per_s": info["tokens_generated"] / max(batch_seconds[0], 1e-9),

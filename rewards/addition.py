@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 import re
 
+from minigrpo.scoring import text_of
 from minigrpo.tasks import Task
 
 INTEGER = re.compile(r"-?\d+")
@@ -25,7 +26,7 @@ def addition_reward(completions: list[str], a: list[int], b: list[int], **kwargs
     """1.0 when the last integer in the completion is a + b, else 0.0."""
     scores = []
     for completion, x, y in zip(completions, a, b):
-        found = INTEGER.findall(completion)
+        found = INTEGER.findall(text_of(completion))
         scores.append(1.0 if found and int(found[-1]) == x + y else 0.0)
     return scores
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 
 from minigrpo.sandbox import run_tests
+from minigrpo.scoring import text_of
 from minigrpo.tasks import Task, split_rows
 
 CODE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.DOTALL)
@@ -60,7 +61,7 @@ def code_reward(completions: list, function: list[str], tests: list[list], **kwa
     """The share of tests the completion's function passes, run in the sandbox."""
     scores = []
     for completion, name, cases in zip(completions, function, tests):
-        text = completion[-1]["content"] if isinstance(completion, list) else completion
+        text = text_of(completion)
         verdict = run_tests(extract_code(text), name, [(args, expected) for args, expected in cases], timeout=5.0)
         scores.append(verdict.fraction)
     return scores

@@ -19,6 +19,7 @@ import ast
 import random
 import re
 
+from minigrpo.scoring import text_of
 from minigrpo.tasks import Task
 
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -93,9 +94,9 @@ def score(completion: str, target: int, nums: list[int]) -> float:
     return 0.1
 
 
-def countdown_reward(completions: list[str], target: list[int], nums: list[list[int]], **kwargs) -> list[float]:
+def countdown_reward(completions: list, target: list[int], nums: list[list[int]], **kwargs) -> list[float]:
     """TRL's reward signature: one float per completion; `target` and `nums` are dataset columns."""
-    return [score(c, t, n) for c, t, n in zip(completions, target, nums)]
+    return [score(text_of(c), t, n) for c, t, n in zip(completions, target, nums)]
 
 
 PROMPT = (

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import re
 
+from minigrpo.scoring import text_of
+
 THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -37,4 +39,4 @@ def format_score(text: str) -> float:
 
 def format_reward(completions: list[str], **kwargs) -> list[float]:
     """1.0 for one non-empty <think> block followed by one non-empty <answer>; 0.5 for the answer alone."""
-    return [format_score(c[-1]["content"] if isinstance(c, list) else c) for c in completions]
+    return [format_score(text_of(c)) for c in completions]

@@ -22,6 +22,7 @@ import os
 import re
 from pathlib import Path
 
+from minigrpo.scoring import text_of
 from minigrpo.tasks import Task, split_rows
 
 NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
@@ -43,14 +44,10 @@ def gold(answer: str) -> float:
     return to_number(answer.split("####")[-1].strip())
 
 
-def _text(completion) -> str:
-    return completion[-1]["content"] if isinstance(completion, list) else completion
-
-
 def gsm8k_strict(completions: list, answer: list[str], **kwargs) -> list[float]:
     scores = []
     for completion, solution in zip(completions, answer):
-        tags = ANSWER.findall(_text(completion))
+        tags = ANSWER.findall(text_of(completion))
         value = to_number(tags[0].strip()) if len(tags) == 1 else None
         scores.append(1.0 if value is not None and abs(value - gold(solution)) < 1e-6 else 0.0)
     return scores
@@ -59,7 +56,7 @@ def gsm8k_strict(completions: list, answer: list[str], **kwargs) -> list[float]:
 def gsm8k_lenient(completions: list, answer: list[str], **kwargs) -> list[float]:
     scores = []
     for completion, solution in zip(completions, answer):
-        numbers = NUMBER.findall(_text(completion))
+        numbers = NUMBER.findall(text_of(completion))
         value = to_number(numbers[-1]) if numbers else None
         scores.append(1.0 if value is not None and abs(value - gold(solution)) < 1e-6 else 0.0)
     return scores

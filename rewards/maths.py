@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+from minigrpo.scoring import text_of
 from minigrpo.tasks import Task, split_rows
 
 PROMPT = "{problem}\nReason step by step, then put the final answer in \\boxed{{}}."
@@ -48,7 +49,7 @@ def math_reward(completions: list, solution: list[str], **kwargs) -> list[float]
 
     scores = []
     for completion, gold in zip(completions, solution):
-        text = completion[-1]["content"] if isinstance(completion, list) else completion
+        text = text_of(completion)
         try:
             answer = parse(text)
             scores.append(1.0 if answer and verify(parse(gold), answer) else 0.0)

@@ -88,3 +88,15 @@ def test_plot_writes_a_png(run):
     assert result.exit_code == 0, result.output
     png = run / "curves.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_metrics_reach_tensorboard_only_when_asked(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    settings = dict(steps=1, num_generations=2, prompts_per_step=1, max_new_tokens=6, sample_every=0)
+    quiet = train(TrainConfig(output_dir=str(tmp_path / "quiet"), **settings))
+    assert not (quiet / "tensorboard").exists()
+    loud = train(TrainConfig(output_dir=str(tmp_path / "loud"), report_to=["tensorboard"], **settings))
+    events = EventAccumulator(str(loud / "tensorboard"))
+    events.Reload()
+    assert {"reward/mean", "frac_groups_reward_differs", "time/step"} <= set(events.Tags()["scalars"])
