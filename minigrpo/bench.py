@@ -25,6 +25,10 @@ from rich.table import Table
 
 from minigrpo.config import TrainConfig
 
+# glibc keeps freed medium blocks in its heap, so the resident set would count memory that is free; serving
+# every block over 64 KiB from mmap returns it on free, and the resident set then tracks live tensors
+LIVE_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+
 
 def parse_settings(items: list[str]) -> dict:
     """["beta=0.04", "generator=hf"] -> {"beta": 0.04, "generator": "hf"}, values checked against TrainConfig."""
@@ -42,14 +46,14 @@ def parse_settings(items: list[str]) -> dict:
     return out
 
 
-def run_variant(settings: dict) -> list[dict]:
-    """Train in a fresh process with these settings; its per-step metrics."""
+def run_variant(settings: dict, env: dict | None = None) -> list[dict]:
+    """Train in a fresh process with these settings (and extra environment variables); its per-step metrics."""
     with tempfile.TemporaryDirectory(prefix="minigrpo-bench-") as tmp:
         cfg = dict(settings, output_dir=str(Path(tmp) / "run"), sample_every=0)
         code = ("import json, sys; from minigrpo import TrainConfig, train; "
                 "train(TrainConfig(**json.loads(sys.argv[1])))")
         subprocess.run([sys.executable, "-c", code, json.dumps(cfg)], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
         lines = (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()
         return [json.loads(line) for line in lines]
 
@@ -233,11 +237,9 @@ def memory_scaling(lengths=(64, 256, 1024, 2048), rows_at=4, groups=(4, 8, 16, 3
             out = Path(tmp) / "m.json"
             code = ("import sys; from minigrpo.bench import _memory_child; "
                     "_memory_child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])")
-            # glibc keeps freed medium blocks in its heap, so the resident set would count memory that is free;
-            # serving every block over 64 KiB from mmap returns it on free, and the resident set tracks live tensors
-            env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
             subprocess.run([sys.executable, "-c", code, path, str(rows), str(length), str(out)], check=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           env={**os.environ, **LIVE_MEMORY_ENV})
             return json.loads(out.read_text())["extra_gb"]
 
     for title, cases in ((f"completion length grows (G = {rows_at} rows in one pass)", [(rows_at, n) for n in lengths]),
@@ -273,16 +275,17 @@ SHAPES = {
 }
 
 
-def weights_or_random(preset: str, folder: Path) -> tuple[str, bool]:
-    """The preset's real weights where they are here (or reachable), else random weights of its shape
-    (speed and memory do not depend on the values) written to `folder`, with the offline tokenizer."""
+def weights_or_random(preset: str, folder: Path, random_weights: bool = False) -> tuple[str, bool]:
+    """The preset's real weights where they are here (or reachable) unless `random_weights`, else random
+    weights of its shape (speed and memory do not depend on the values) written to `folder`, with the
+    offline tokenizer. A random model almost never ends a completion early: every one runs to the limit."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from minigrpo.model import OFFLINE_HUB_ID, _hub_reachable, compute_dtype, load_tokenizer, resolve_weights
 
     hub_id = TrainConfig(model=preset).hub_id
-    if hub_id == OFFLINE_HUB_ID or _hub_reachable(hub_id):
+    if not random_weights and (hub_id == OFFLINE_HUB_ID or _hub_reachable(hub_id)):
         return resolve_weights(hub_id), False
     if preset not in SHAPES:
         raise ValueError(f"no weights for {preset} here and no known shape; known: {', '.join(SHAPES)}")
@@ -297,61 +300,126 @@ def weights_or_random(preset: str, folder: Path) -> tuple[str, bool]:
     return str(folder), True
 
 
-def bench_model(preset: str, groups=(4, 8), lengths=(128, 256), steps: int = 3, generator: str = "auto",
-                console: Console | None = None) -> list[dict]:
+def bench_model(preset: str, groups=(4, 8), lengths=None, steps: int = 3, generator: str = "auto",
+                random_weights: bool = False, console: Console | None = None) -> list[dict]:
     """Generation tokens/s, seconds per step, sync time and peak memory for a few G x max-new-tokens,
-    then a memory plan for the rest, from a straight-line fit of peak memory to tokens per step."""
+    then a memory plan for the rest (see `StepMemory`)."""
     import torch
+    from transformers import AutoConfig
+
+    from minigrpo.model import compute_dtype
+    from minigrpo.vllm_engine import vllm_available
 
     console = console or Console(width=140)
+    gpu = torch.cuda.is_available()
+    lengths = lengths or ((128, 512) if gpu else (32, 64))
+    base = TrainConfig(model=preset)
     with tempfile.TemporaryDirectory(prefix="minigrpo-bench-model-") as tmp:
-        weights, random_weights = weights_or_random(preset, Path(tmp) / "model")
+        weights, random_weights = weights_or_random(preset, Path(tmp) / "model", random_weights)
+        shape = AutoConfig.from_pretrained(weights)
         console.print(f"{preset}: {'random weights of its shape' if random_weights else 'its real weights'}, "
-                      f"{'GPU: ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu'}",
-                      highlight=False)
-        base = TrainConfig(model=preset)
+                      f"{'GPU: ' + torch.cuda.get_device_name(0) if gpu else 'cpu'}", highlight=False)
         rows = []
         for G in groups:
             for n in lengths:
                 settings = dict(model=weights, task="addition", steps=steps, num_generations=G, max_new_tokens=n,
                                 prompts_per_step=base.prompts_per_step, lora_rank=base.lora_rank,
                                 learning_rate=base.learning_rate, generator=generator)
-                metrics = run_variant(settings)
+                metrics = run_variant(settings, env=LIVE_MEMORY_ENV)
                 metrics = metrics[1:] or metrics  # the first step pays for warm-up
                 med = lambda k: statistics.median(m.get(k, 0.0) for m in metrics)  # noqa: E731
                 rows.append({"G": G, "max_new_tokens": n, "prompts": base.prompts_per_step,
                              "s/step": med("time/step"), "tokens/s": med("tokens_per_s"), "sync s": med("time/sync"),
-                             "peak GB": max(m["mem/peak_gb"] for m in metrics)})
+                             "prompt tokens": max(m["prompt_len/max"] for m in metrics),
+                             "completion tokens": max(m["completion_len/max"] for m in metrics),
+                             "loaded GB": med("mem/loaded_gb"), "peak GB": max(m["mem/peak_gb"] for m in metrics)})
+    memory = StepMemory(shape, torch.finfo(compute_dtype()).bits // 8, base.micro_batch_size,
+                        hf_generation=generator == "hf" or not (gpu and vllm_available()))
+    overhead = memory.calibrate(rows)
     table = Table(title=f"minigrpo bench --model {preset} (measured; median over steps 2..{steps})")
-    for column in ("G", "prompts/step", "max new tokens", "s/step", "generation tokens/s", "sync s", "peak GB"):
+    for column in ("G", "prompts/step", "max new tokens", "s/step", "generation tokens/s", "sync s",
+                   "GB after loading", "peak GB", "plan's estimate from the other rows"):
         table.add_column(column)
-    for r in rows:
+    for i, r in enumerate(rows):
+        # calibrated without this row, so the column is a check of the plan on a setting it has not seen
+        step = memory.step_gb(r["G"] * r["prompts"], r["prompt tokens"], r["completion tokens"])
+        estimate = f"{memory.calibrate(rows[:i] + rows[i + 1:]) + step:.2f}" if len(rows) > 1 else "-"
         table.add_row(str(r["G"]), str(r["prompts"]), str(r["max_new_tokens"]), f"{r['s/step']:.2f}",
-                      f"{r['tokens/s']:.0f}", f"{r['sync s']:.3f}", f"{r['peak GB']:.2f}")
+                      f"{r['tokens/s']:.0f}", f"{r['sync s']:.3f}", f"{r['loaded GB']:.2f}", f"{r['peak GB']:.2f}",
+                      estimate)
     console.print(table)
-    _memory_plan(rows, console)
+    if gpu:
+        budget, where = torch.cuda.get_device_properties(0).total_memory / 2**30, "this GPU"
+    else:
+        budget, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, "this machine"
+    prompt_tokens = max(128, max(r["prompt tokens"] for r in rows))
+    plan = Table(title=f"memory plan: {base.prompts_per_step} prompts of {prompt_tokens} tokens per step, "
+                       f"micro-batches of {base.micro_batch_size}; estimated peak GB")
+    plan.add_column("G")
+    for n in PLAN_LENGTHS:
+        plan.add_column(f"{n} new tokens")
+    for G in PLAN_GROUPS:
+        cells = []
+        for n in PLAN_LENGTHS:
+            need = overhead + memory.step_gb(G * base.prompts_per_step, prompt_tokens, n)
+            cells.append(f"{need:.1f}" if need < 0.9 * budget else f"[red]{need:.1f} (no)[/]")
+        plan.add_row(str(G), *cells)
+    console.print(plan)
+    console.print(f"Fits {where} ({budget:.0f} GB) unless marked no (90% of it, for fragmentation). The estimate "
+                  f"is {overhead:.2f} GB measured for the model and the runtime, plus what a step adds, computed from "
+                  f"the model's shape: transformers generation's key/value cache for every row, or one micro-batch "
+                  f"of training (checkpointed activations and one {CHUNK}-token chunk of logits), whichever is "
+                  f"larger. The last column above shows how far it is from what was measured.", highlight=False)
+    if gpu and not memory.hf_generation:
+        console.print(f"with vLLM, give the engine what the trainer leaves: --gpu-memory-utilization about "
+                      f"{max(0.1, min(0.9, 1 - max(r['peak GB'] for r in rows) / budget - 0.05)):.2f} "
+                      f"at the largest setting measured")
     return rows
 
 
-def _memory_plan(rows: list[dict], console: Console) -> None:
-    x = [r["G"] * r["prompts"] * r["max_new_tokens"] for r in rows]
-    y = [r["peak GB"] for r in rows]
-    if len(set(x)) < 2:
-        return
-    slope, intercept = statistics.linear_regression(x, y)
-    import torch
+PLAN_GROUPS, PLAN_LENGTHS, CHUNK = (4, 8, 16), (256, 512, 1024, 2048), 512
 
-    total = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None
-    table = Table(title="memory plan (estimated from the fit above: peak GB = "
-                        f"{intercept:.2f} + {slope * 1000:.3f} per 1000 completion tokens per step)")
-    for column in ("G", "max new tokens", "estimated peak GB", "fits" if total else "fits a 16 GB card"):
-        table.add_column(column)
-    budget = total or 16.0
-    for G in (4, 8, 16):
-        for n in (256, 512, 1024, 2048):
-            need = intercept + slope * G * rows[0]["prompts"] * n
-            table.add_row(str(G), str(n), f"{need:.1f}", "yes" if need < 0.9 * budget else "no")
-    console.print(table)
-    if total:
-        console.print(f"with vLLM, give the engine what the trainer leaves: --gpu-memory-utilization about "
-                      f"{max(0.1, min(0.9, 1 - max(y) / total - 0.05)):.2f} at the largest setting measured")
+
+@dataclasses.dataclass
+class StepMemory:
+    """What one training step adds to the memory of the loaded model, from the model's shape alone.
+
+    Generation with transformers keeps keys and values for every row at once (vLLM's cache is part of the
+    engine's fixed share instead). Training runs one micro-batch at a time: with gradient checkpointing it
+    keeps each layer's input, recomputes one layer at a time in backward (its activations and their
+    gradients), and sends `CHUNK` completion tokens at a time through the lm head (the logits, their float32
+    copies and the log-softmax: about 16 bytes per vocabulary entry). The peak is the larger of the two; the
+    rest (weights, optimizer, runtime buffers) is measured, by `calibrate`.
+
+    >>> from transformers import LlamaConfig
+    >>> memory = StepMemory(LlamaConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
+    ...                                 num_attention_heads=16, num_key_value_heads=4, vocab_size=32000), 2, 8)
+    >>> round(memory.step_gb(rows=32, prompt_tokens=128, new_tokens=512), 3)  # training 8 x 640 tokens + logits
+    0.869
+    >>> round(memory.step_gb(rows=128, prompt_tokens=128, new_tokens=512), 3)  # the cache of 128 rows x 640 tokens
+    1.25
+    """
+
+    shape: object  # a transformers config
+    dtype_bytes: int
+    micro_batch_size: int
+    hf_generation: bool = True
+    checkpointing: bool = True
+
+    def step_gb(self, rows: int, prompt_tokens: int, new_tokens: int) -> float:
+        c = self.shape
+        L, H, I, V = c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size
+        heads = c.num_attention_heads
+        kv = (getattr(c, "num_key_value_heads", None) or heads) * (getattr(c, "head_dim", None) or H // heads)
+        T = prompt_tokens + new_tokens
+        generation = rows * T * 2 * L * kv * self.dtype_bytes if self.hf_generation else 0
+        layer = 8 * H + 4 * I  # per token: norms, q/k/v/o, residuals; gate, up, activation, product
+        kept = L * H if self.checkpointing else L * layer
+        micro = min(rows, self.micro_batch_size)
+        training = micro * T * (kept + 2 * layer) * self.dtype_bytes + min(micro * new_tokens, CHUNK) * V * 16
+        return max(generation, training) / 2**30
+
+    def calibrate(self, rows: list[dict]) -> float:
+        """The measured part: the median over the measured settings of peak memory minus what their step adds."""
+        return statistics.median(r["peak GB"] - self.step_gb(r["G"] * r["prompts"], r["prompt tokens"],
+                                                              r["completion tokens"]) for r in rows)

@@ -329,14 +329,17 @@ def bench_memory() -> None:
 def bench_model_command(
     model: str = typer.Option("smollm2-135m", "--model", help="A preset; random weights of its shape if absent."),
     group: list[int] = typer.Option([4, 8], "--group", "-G", help="Values of G to measure (repeat)."),
-    max_new_tokens: list[int] = typer.Option([64, 128], help="Completion lengths to measure (repeat)."),
+    max_new_tokens: list[int] = typer.Option([], help="Completion lengths to measure (repeat); "
+                                                    "default 128 and 512 on a GPU, 32 and 64 on CPU."),
     steps: int = typer.Option(3, help="Steps per setting; the first is left out."),
     generator: str = typer.Option("auto", help="vllm | hf | auto."),
+    random_weights: bool = typer.Option(False, help="Random weights even where the real ones are here: every "
+                                                     "completion runs to max new tokens, the worst case."),
 ) -> None:
     """On this machine: generation tokens/s, s/step, sync, peak memory, and which settings fit."""
     from minigrpo.bench import bench_model
 
-    bench_model(model, tuple(group), tuple(max_new_tokens), steps, generator)
+    bench_model(model, tuple(group), tuple(max_new_tokens) or None, steps, generator, random_weights)
 
 
 def main() -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -89,6 +88,9 @@ class Verdict:
 def run_tests(program: str, function: str, tests: list[tuple[list, object]], *, timeout: float = 5.0,
               memory_mb: int = 512, cpu_seconds: int = 5) -> Verdict:
     """Run `function` of `program` on each test's arguments in a sandboxed child; compare here."""
+    if os.name != "posix":
+        raise RuntimeError("the code sandbox needs Linux or macOS (process limits, process groups); "
+                           "run code tasks there, or under WSL on Windows")
     workdir = tempfile.mkdtemp(prefix="minigrpo-sandbox-")
     read_fd, write_fd = os.pipe()
     received: list[bytes] = []
@@ -166,6 +168,8 @@ def _read_all(fd: int, into: list[bytes], limit: int = 1 << 20) -> None:
 
 def _confine(memory_mb: int, cpu_seconds: int) -> None:
     """Runs in the child between fork and exec."""
+    import resource  # POSIX only, like the rest of the confinement
+
     limits = {resource.RLIMIT_CPU: cpu_seconds, resource.RLIMIT_AS: memory_mb << 20,
               resource.RLIMIT_FSIZE: 1 << 20, resource.RLIMIT_NPROC: 64, resource.RLIMIT_CORE: 0}
     for kind, value in limits.items():

@@ -11,9 +11,10 @@ variants (Dr. GRPO, DAPO, BNPO) are settings of two knobs in minigrpo/loss.py, n
 
 from __future__ import annotations
 
+import os
 import random
-import resource
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import torch
 
 from minigrpo import checkpoint
 from minigrpo import loss as L
-from minigrpo.config import TrainConfig
+from minigrpo.config import PRESETS, TrainConfig
 from minigrpo.console import Display
 from minigrpo.generation import Generator, make_generator
 from minigrpo.model import load_policy, load_tokenizer, lora_parameters, resolve_weights, token_logprobs
@@ -63,6 +64,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
         from minigrpo.evaluate import Evaluator
 
         evaluate = Evaluator(cfg, task, weights, tokenizer, generator, run.path)
+    loaded_gb = memory_in_use_gb()  # the model, the engine and the data: what a step's peak stands on
     done = 0
     if resume:
         found = checkpoint.latest(run.path)
@@ -86,10 +88,13 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
                 try:
                     metrics, samples = train_step(cfg, step, model, tokenizer, generator, optimizer, scheduler,
                                                   task, weights, prompts)
-                except (torch.cuda.OutOfMemoryError, MemoryError):
+                except Exception as error:
+                    if not is_out_of_memory(error):
+                        raise
                     display.print(out_of_memory_advice(cfg))
                     save(step - 1)
                     raise
+                metrics["mem/loaded_gb"] = loaded_gb
                 run.log(metrics, samples)
                 display.step(metrics)
                 bad_in_a_row = bad_in_a_row + 1 if metrics.get("skipped_nonfinite") else 0
@@ -156,6 +161,12 @@ class StopRequest:
               flush=True)
 
 
+def is_out_of_memory(error: BaseException) -> bool:
+    """A GPU out-of-memory error, Python's MemoryError, or torch's CPU allocator failing (a RuntimeError)."""
+    return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(error, RuntimeError) and "can't allocate memory" in str(error))
+
+
 def out_of_memory_advice(cfg: TrainConfig) -> str:
     used = f"peak {peak_memory_gb():.1f} GB" + (
         f" of {torch.cuda.get_device_properties(0).total_memory / 2**30:.1f} GB" if torch.cuda.is_available() else "")
@@ -163,7 +174,9 @@ def out_of_memory_advice(cfg: TrainConfig) -> str:
             f"--max-new-tokens (now {cfg.max_new_tokens}), --micro-batch-size (now {cfg.micro_batch_size}), "
             f"--prompts-per-step (now {cfg.prompts_per_step})"
             + (f", or the engine's --gpu-memory-utilization (now {cfg.gpu_memory_utilization})"
-               if cfg.generator != "hf" else "") + ". The last completed step is saved; resume with --resume.")
+               if cfg.generator != "hf" else "") + ". The last completed step is saved; resume with --resume. "
+            + (f"`minigrpo bench model --model {cfg.model}` measures which settings fit." if cfg.model in PRESETS
+               else ""))
 
 
 def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generator, optimizer, scheduler,
@@ -261,6 +274,7 @@ def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generat
         **totals,
         "completion_len/mean": lengths.float().mean().item(),
         "completion_len/max": lengths.max().item(),
+        "prompt_len/max": max(len(p) for p in batch.prompt_ids),
         "truncated_frac": float(np.mean(batch.truncated)),
         "lr": lr,
         "grad_norm": float(np.mean(grad_norms)),
@@ -340,4 +354,19 @@ def peak_memory_gb() -> float:
     """Peak GPU memory where there is a GPU, else the process's peak resident memory."""
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # linux reports KiB
+    try:
+        import resource
+    except ImportError:  # Windows has no getrusage
+        return 0.0
+    kib_or_bytes = 2**30 if sys.platform == "darwin" else 2**20  # macOS reports bytes, Linux KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / kib_or_bytes
+
+
+def memory_in_use_gb() -> float:
+    """GPU memory allocated now where there is a GPU, else the process's resident set now."""
+    if torch.cuda.is_available():
+        return torch.cuda.memory_allocated() / 2**30
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except OSError:  # no /proc (macOS): the peak so far is the closest figure
+        return peak_memory_gb()

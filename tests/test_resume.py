@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from minigrpo import TrainConfig, train
 from minigrpo import checkpoint
+from minigrpo.train import is_out_of_memory, out_of_memory_advice
 
 SMALL = dict(num_generations=2, prompts_per_step=2, max_new_tokens=8, sample_every=0, seed=5, save_every=1,
              learning_rate=1e-3)
@@ -126,3 +127,14 @@ def test_impossible_settings_fail_before_anything_loads(settings, message):
     with pytest.raises(ValueError) as error:
         TrainConfig(**settings)
     assert message in str(error.value)
+
+
+def test_out_of_memory_is_recognised_and_names_the_settings_to_lower():
+    with pytest.raises(RuntimeError) as caught:
+        torch.empty(2**50)  # 4 PiB, past any address space: the CPU allocator's own failure, a RuntimeError
+    assert is_out_of_memory(caught.value)
+    assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    advice = out_of_memory_advice(TrainConfig(num_generations=8, max_new_tokens=256, generator="hf"))
+    for setting in ("--num-generations (now 8)", "--max-new-tokens (now 256)", "--micro-batch-size (now 8)",
+                    "--resume", "minigrpo bench model --model smollm2-135m"):
+        assert setting in advice
