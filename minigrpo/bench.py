@@ -348,6 +348,10 @@ def bench_model(preset: str, groups=(4, 8), lengths=None, steps: int = 3, genera
                       f"{r['tokens/s']:.0f}", f"{r['sync s']:.3f}", f"{r['loaded GB']:.2f}", f"{r['peak GB']:.2f}",
                       estimate)
     console.print(table)
+    if not gpu:
+        console.print("On CPU these runs return freed memory to the system at once (LIVE_MEMORY_ENV), so that peak GB "
+                      "is live memory as on a GPU; that costs time, so s/step here is slower than a plain run's.",
+                      highlight=False)
     if gpu:
         budget, where = torch.cuda.get_device_properties(0).total_memory / 2**30, "this GPU"
     else:
