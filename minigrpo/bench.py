@@ -185,6 +185,7 @@ def _memory_child(path: str, rows: int, length: int, out: str) -> None:
 
     from minigrpo import loss as L
     from minigrpo.model import full_logprobs, load_policy, load_tokenizer, resolve_weights, token_logprobs
+    from minigrpo.train import memory_in_use_gb
 
     cfg = TrainConfig(load_in_4bit=torch.cuda.is_available())
     weights = resolve_weights(cfg.hub_id)
@@ -209,13 +210,11 @@ def _memory_child(path: str, rows: int, length: int, out: str) -> None:
         one_pass(rows, length)
         extra = (torch.cuda.max_memory_allocated() - before) / 2**30
     else:  # the resident set, sampled every 2 ms while the pass runs
-        page = os.sysconf("SC_PAGE_SIZE")
-        rss = lambda: int(open("/proc/self/statm").read().split()[1]) * page  # noqa: E731
-        before, peak, running = rss(), [0], [True]
+        before, peak, running = memory_in_use_gb(), [0.0], [True]
 
         def watch():
             while running[0]:
-                peak[0] = max(peak[0], rss())
+                peak[0] = max(peak[0], memory_in_use_gb())
                 time.sleep(0.002)
 
         watcher = threading.Thread(target=watch)
@@ -223,7 +222,7 @@ def _memory_child(path: str, rows: int, length: int, out: str) -> None:
         one_pass(rows, length)
         running[0] = False
         watcher.join()
-        extra = (max(peak[0], rss()) - before) / 2**30
+        extra = max(peak[0], memory_in_use_gb()) - before
     Path(out).write_text(json.dumps({"extra_gb": extra}))
 
 
@@ -307,8 +306,8 @@ def bench_model(preset: str, groups=(4, 8), lengths=None, steps: int = 3, genera
     import torch
     from transformers import AutoConfig
 
+    from minigrpo.generation import generator_kind
     from minigrpo.model import compute_dtype
-    from minigrpo.vllm_engine import vllm_available
 
     console = console or Console(width=140)
     gpu = torch.cuda.is_available()
@@ -334,7 +333,7 @@ def bench_model(preset: str, groups=(4, 8), lengths=None, steps: int = 3, genera
                              "completion tokens": max(m["completion_len/max"] for m in metrics),
                              "loaded GB": med("mem/loaded_gb"), "peak GB": max(m["mem/peak_gb"] for m in metrics)})
     memory = StepMemory(shape, torch.finfo(compute_dtype()).bits // 8, base.micro_batch_size,
-                        hf_generation=generator == "hf" or not (gpu and vllm_available()))
+                        base.logprob_chunk_size, generator_kind(generator) == "hf", base.gradient_checkpointing)
     overhead = memory.calibrate(rows)
     table = Table(title=f"minigrpo bench --model {preset} (measured; median over steps 2..{steps})")
     for column in ("G", "prompts/step", "max new tokens", "s/step", "generation tokens/s", "sync s",
@@ -372,7 +371,7 @@ def bench_model(preset: str, groups=(4, 8), lengths=None, steps: int = 3, genera
     console.print(f"Fits {where} ({budget:.0f} GB) unless marked no (90% of it, for fragmentation). The estimate "
                   f"is {overhead:.2f} GB measured for the model and the runtime, plus what a step adds, computed from "
                   f"the model's shape: transformers generation's key/value cache for every row, or one micro-batch "
-                  f"of training (checkpointed activations and one {CHUNK}-token chunk of logits), whichever is "
+                  f"of training (checkpointed activations and one {memory.chunk}-token chunk of logits), whichever is "
                   f"larger. The last column above shows how far it is from what was measured.", highlight=False)
     if gpu and not memory.hf_generation:
         console.print(f"with vLLM, give the engine what the trainer leaves: --gpu-memory-utilization about "
@@ -381,7 +380,7 @@ def bench_model(preset: str, groups=(4, 8), lengths=None, steps: int = 3, genera
     return rows
 
 
-PLAN_GROUPS, PLAN_LENGTHS, CHUNK = (4, 8, 16), (256, 512, 1024, 2048), 512
+PLAN_GROUPS, PLAN_LENGTHS = (4, 8, 16), (256, 512, 1024, 2048)
 
 
 @dataclasses.dataclass
@@ -391,13 +390,14 @@ class StepMemory:
     Generation with transformers keeps keys and values for every row at once (vLLM's cache is part of the
     engine's fixed share instead). Training runs one micro-batch at a time: with gradient checkpointing it
     keeps each layer's input, recomputes one layer at a time in backward (its activations and their
-    gradients), and sends `CHUNK` completion tokens at a time through the lm head (the logits, their float32
+    gradients), and sends `chunk` completion tokens at a time through the lm head (the logits, their float32
     copies and the log-softmax: about 16 bytes per vocabulary entry). The peak is the larger of the two; the
     rest (weights, optimizer, runtime buffers) is measured, by `calibrate`.
 
     >>> from transformers import LlamaConfig
     >>> memory = StepMemory(LlamaConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
-    ...                                 num_attention_heads=16, num_key_value_heads=4, vocab_size=32000), 2, 8)
+    ...                                 num_attention_heads=16, num_key_value_heads=4, vocab_size=32000),
+    ...                     dtype_bytes=2, micro_batch_size=8, chunk=512)
     >>> round(memory.step_gb(rows=32, prompt_tokens=128, new_tokens=512), 3)  # training 8 x 640 tokens + logits
     0.869
     >>> round(memory.step_gb(rows=128, prompt_tokens=128, new_tokens=512), 3)  # the cache of 128 rows x 640 tokens
@@ -407,6 +407,7 @@ class StepMemory:
     shape: object  # a transformers config
     dtype_bytes: int
     micro_batch_size: int
+    chunk: int  # completion tokens per lm-head pass (TrainConfig.logprob_chunk_size)
     hf_generation: bool = True
     checkpointing: bool = True
 
@@ -420,7 +421,7 @@ class StepMemory:
         layer = 8 * H + 4 * I  # per token: norms, q/k/v/o, residuals; gate, up, activation, product
         kept = L * H if self.checkpointing else L * layer
         micro = min(rows, self.micro_batch_size)
-        training = micro * T * (kept + 2 * layer) * self.dtype_bytes + min(micro * new_tokens, CHUNK) * V * 16
+        training = micro * T * (kept + 2 * layer) * self.dtype_bytes + min(micro * new_tokens, self.chunk) * V * 16
         return max(generation, training) / 2**30
 
     def calibrate(self, rows: list[dict]) -> float:

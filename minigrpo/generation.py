@@ -84,13 +84,20 @@ def _eos_ids(model, tokenizer) -> list[int]:
     return ids
 
 
+def generator_kind(choice: str) -> str:
+    """"vllm" or "hf": vLLM where asked (or, with "auto", where it is installed and a GPU is present)."""
+    from minigrpo.vllm_engine import vllm_available
+
+    if choice == "auto":
+        return "vllm" if vllm_available() and torch.cuda.is_available() else "hf"
+    return choice
+
+
 def make_generator(cfg, model, tokenizer) -> Generator:
-    """vLLM where asked (or, with "auto", where it is installed and a GPU is present), else transformers."""
+    """The generator `generator_kind` picks for cfg.generator."""
     from minigrpo.vllm_engine import VLLMGenerator, vllm_available
 
-    choice = cfg.generator
-    if choice == "auto":
-        choice = "vllm" if vllm_available() and torch.cuda.is_available() else "hf"
+    choice = generator_kind(cfg.generator)
     if choice == "hf":
         return HFGenerator(model, tokenizer)
     if not vllm_available():
