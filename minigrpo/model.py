@@ -30,11 +30,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MINIGRPO_CACHE", Path.home() / ".cache" / "minigrpo"))
 
 
-def compute_dtype() -> torch.dtype:
-    """bf16 where the GPU has it, fp16 on older GPUs (T4), fp32 on cpu (bf16 matmuls are slow there)."""
-    if torch.cuda.is_available():
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
+def default_dtype(requested: str = "auto") -> torch.dtype:
+    """The compute dtype for this machine (`hardware.compute_dtype` says why)."""
+    from minigrpo.hardware import compute_dtype, this_gpu
+
+    return compute_dtype(this_gpu(), requested)[0]
 
 
 def device() -> torch.device:
@@ -120,6 +120,24 @@ def convert_offline_smollm2(out: Path) -> None:
     os.replace(tmp, out)  # atomic: a half-written conversion is never picked up
 
 
+def byte_tokenizer():
+    """A tokenizer that needs no download: one token per byte, ChatML's two markers, a chat template. For
+    random-weight models (`minigrpo doctor`, `bench model` where no real tokenizer is at hand)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({"<|im_start|>": len(vocab), "<|im_end|>": len(vocab) + 1})
+    raw = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>", pad_token="<|im_end|>",
+                                        additional_special_tokens=["<|im_start|>"])
+    tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return tokenizer
+
+
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -133,18 +151,23 @@ def load_tokenizer(weights: str):
     return tokenizer
 
 
-def load_policy(cfg: TrainConfig, weights: str):
-    """The base model (nf4 or 16-bit) with fresh LoRA adapters on every block projection."""
-    from peft import LoraConfig, get_peft_model
+def load_base(weights: str, load_in_4bit: bool, dtype: torch.dtype):
+    """The base model on this machine's device: nf4 linear layers computing in `dtype`, or all in `dtype`."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    dtype = compute_dtype()
     quant = None
-    if cfg.load_in_4bit:
+    if load_in_4bit:
         quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                    bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True)
-    base = AutoModelForCausalLM.from_pretrained(weights, dtype=dtype, quantization_config=quant,
+    return AutoModelForCausalLM.from_pretrained(weights, dtype=dtype, quantization_config=quant,
                                                 device_map={"": device()})
+
+
+def load_policy(cfg: TrainConfig, weights: str, dtype: torch.dtype | None = None):
+    """The base model (nf4 or 16-bit) with fresh LoRA adapters on every block projection."""
+    from peft import LoraConfig, get_peft_model
+
+    base = load_base(weights, cfg.load_in_4bit, dtype or default_dtype(cfg.dtype))
     base.config.use_cache = False  # training forward passes never reuse a kv cache
     for module in base.modules():
         # on cpus with avx512-bf16, bitsandbytes repacks a 4-bit weight for inference the first time it
@@ -199,6 +222,22 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return (logps, torch.cat(entropies).view(B, n_completion)) if with_entropy else logps
 
 
+def pad_batch(rows: list[tuple[list[int], list[int]]], pad_id: int, device) -> tuple[torch.Tensor, ...]:
+    """Prompts padded on the left and completions on the right, so all completions start at one column.
+
+    Returns input ids [b, Lp + T], attention mask [b, Lp + T], and the completion mask [b, T]."""
+    width_p = max(len(p) for p, _ in rows)
+    width_c = max(len(c) for _, c in rows)
+    ids, attention, mask = [], [], []
+    for p, c in rows:
+        left, right = width_p - len(p), width_c - len(c)
+        ids.append([pad_id] * left + p + c + [pad_id] * right)
+        attention.append([0] * left + [1] * (len(p) + len(c)) + [0] * right)
+        mask.append([1] * len(c) + [0] * right)
+    as_tensor = lambda x: torch.tensor(x, device=device)  # noqa: E731
+    return as_tensor(ids), as_tensor(attention), as_tensor(mask).bool()
+
+
 def positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids that skip left padding, as `generate` assigns them."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
@@ -227,30 +266,35 @@ def full_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
 
 def export_weights(model, tokenizer, folder: Path, dtype: torch.dtype, merge_adapter: bool) -> None:
     """The policy as a plain transformers folder: the base (4-bit layers dequantized) in `dtype`, with the
-    LoRA update W + scale x B @ A folded in when `merge_adapter`, else the base alone."""
+    LoRA update W + scale x B @ A folded in when `merge_adapter`, else the base alone.
+
+    Streamed: each weight is made on the model's device, moved to the cpu in `dtype` at once, and written
+    with the rest of its decoder layer as one safetensors shard, so the export holds about one layer more
+    than the model, on the device and on the host (a 7B model's 16-bit copy is 15 GB; Colab has 12.7 GB
+    of RAM). transformers and vLLM read the sharded folder through its index file."""
     import copy
+    import json
 
     from safetensors.torch import save_file
 
     inner = model.get_base_model()
-    state = {}
-    for name, module in inner.named_modules():
-        if hasattr(module, "base_layer") and hasattr(module, "lora_A"):  # a LoRA-wrapped linear layer
-            weight = _dense_weight(module.base_layer)
-            if merge_adapter and "default" in module.lora_A and not getattr(module, "disable_adapters", False):
-                a, b = module.lora_A["default"].weight.float(), module.lora_B["default"].weight.float()
-                weight = weight + module.scaling["default"] * (b @ a)
-            state[f"{name}.weight"] = weight
-            if module.base_layer.bias is not None:
-                state[f"{name}.bias"] = module.base_layer.bias.detach().float()
-    for name, param in list(inner.named_parameters()) + list(inner.named_buffers()):
-        if "lora_" in name or ".base_layer." in name or "rotary_emb" in name:
-            continue
-        state[name] = param.detach().float()
-    state = {k: v.to("cpu", dtype).contiguous() for k, v in state.items()}
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    groups = _shard_groups(inner)
+    index, total = {}, 0
+    for n, (group, names) in enumerate(groups.items()):
+        shard = f"model-{n + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {}
+        for name in names:
+            tensors[name] = _export_tensor(inner, name, merge_adapter).to("cpu", dtype).contiguous()
+            index[name] = shard
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        save_file(tensors, str(folder / shard), metadata={"format": "pt"})
+        del tensors
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1) + "\n")
     config = copy.deepcopy(inner.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -259,6 +303,41 @@ def export_weights(model, tokenizer, folder: Path, dtype: torch.dtype, merge_ada
     config.save_pretrained(folder)
     inner.generation_config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+
+
+def _shard_groups(inner) -> dict[str, list[str]]:
+    """The exported tensor names, grouped by decoder layer ("model.layers.3"), the rest in one group each."""
+    names = []
+    for name, module in inner.named_modules():
+        if hasattr(module, "base_layer") and hasattr(module, "lora_A"):  # a LoRA-wrapped linear layer
+            names.append(f"{name}.weight")
+            if module.base_layer.bias is not None:
+                names.append(f"{name}.bias")
+    for name, _ in list(inner.named_parameters()) + list(inner.named_buffers()):
+        if "lora_" in name or ".base_layer." in name or "rotary_emb" in name:
+            continue
+        names.append(name)
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        parts = name.split(".")
+        layer = next((i for i, p in enumerate(parts[:-1]) if p.isdigit()), None)
+        groups.setdefault(".".join(parts[:layer + 1]) if layer is not None else name, []).append(name)
+    return groups
+
+
+def _export_tensor(inner, name: str, merge_adapter: bool) -> torch.Tensor:
+    """One exported tensor, in float32 on the model's device; a LoRA-wrapped weight dequantized and merged."""
+    owner, _, leaf = name.rpartition(".")
+    module = inner.get_submodule(owner)
+    if hasattr(module, "base_layer") and hasattr(module, "lora_A"):
+        if leaf == "bias":
+            return module.base_layer.bias.detach().float()
+        weight = _dense_weight(module.base_layer)
+        if merge_adapter and "default" in module.lora_A and not getattr(module, "disable_adapters", False):
+            a, b = module.lora_A["default"].weight.float(), module.lora_B["default"].weight.float()
+            weight = weight + module.scaling["default"] * (b @ a)
+        return weight
+    return getattr(module, leaf).detach().float()
 
 
 def _dense_weight(layer) -> torch.Tensor:
@@ -274,7 +353,6 @@ def load_trained(adapter: str | Path | None, model: str | None = None, **overrid
     """A run's policy for sampling or export: its base (as the run loaded it) with the trained adapter.
     Returns (model, tokenizer, config)."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     run_dir = Path(adapter).parent if adapter else None
     saved = run_dir / "config.json" if run_dir else None
@@ -287,10 +365,7 @@ def load_trained(adapter: str | Path | None, model: str | None = None, **overrid
             setattr(cfg, key, value)
     weights = resolve_weights(cfg.hub_id)
     tokenizer = load_tokenizer(weights)
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype(),
-                               bnb_4bit_use_double_quant=True) if cfg.load_in_4bit else None
-    base = AutoModelForCausalLM.from_pretrained(weights, dtype=compute_dtype(), quantization_config=quant,
-                                                device_map={"": device()})
+    base = load_base(weights, cfg.load_in_4bit, default_dtype(cfg.dtype))
     if adapter:
         policy = PeftModel.from_pretrained(base, str(adapter))
     else:

@@ -25,11 +25,12 @@ from minigrpo import checkpoint
 from minigrpo import loss as L
 from minigrpo.config import PRESETS, TrainConfig
 from minigrpo.console import Display
-from minigrpo.generation import Generator, make_generator
-from minigrpo.model import load_policy, load_tokenizer, lora_parameters, resolve_weights, token_logprobs
+from minigrpo.generation import Generator
+from minigrpo.model import lora_parameters, pad_batch, token_logprobs
 from minigrpo.rollout import PromptPool, collect
 from minigrpo.run import RunFolder
 from minigrpo.scoring import score
+from minigrpo.startup import load_for_training
 from minigrpo.tasks import Task, get_task
 
 GAP_WARNING = 0.05  # mean |sampler - trainer| log-prob per token above which the engine is out of sync
@@ -51,13 +52,21 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
     display.print(f"[bold]minigrpo[/] {cfg.model} on {task.name}: {cfg.prompts_per_step} prompts x "
                   f"{cfg.num_generations} completions per step, {cfg.steps} steps -> {run.path}")
 
-    weights_path = resolve_weights(cfg.hub_id)
-    tokenizer = load_tokenizer(weights_path)
-    model = load_policy(cfg, weights_path)
+    loaded = load_for_training(cfg, display.print)
+    model, tokenizer, generator = loaded.model, loaded.tokenizer, loaded.generator
+    try:
+        return _train(cfg, resume, task, weights, train_rows, run, display, model, tokenizer, generator,
+                      loaded.dtype)
+    finally:
+        generator.close()  # frees the engine, so a second run in this process (a notebook cell re-run) can start one
+
+
+def _train(cfg, resume, task, weights, train_rows, run, display, model, tokenizer, generator, dtype) -> Path:
     optimizer = torch.optim.AdamW(lora_parameters(model), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
-    generator = make_generator(cfg, model, tokenizer)
+    # float16 gradients underflow; the scaler multiplies the loss up and divides the gradients back down
+    scaler = torch.amp.GradScaler(model.device.type, enabled=dtype == torch.float16)
     prompts = PromptPool(train_rows, cfg.seed, cfg.retire_solved)
     evaluate = None
     if cfg.eval_every:
@@ -70,7 +79,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
         found = checkpoint.latest(run.path)
         if found is None:
             raise FileNotFoundError(f"{run.path} has no complete checkpoint to resume from")
-        done = checkpoint.load(found, model, optimizer, scheduler, prompts, generator)
+        done = checkpoint.load(found, model, optimizer, scheduler, prompts, generator, scaler)
         checkpoint.truncate_logs(run.path, done)
         display.print(f"resumed from {found} (step {done})")
 
@@ -78,7 +87,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
         display.eval(evaluate(0))  # before any training: the baseline every later evaluation is read against
 
     def save(at: int) -> Path:
-        return checkpoint.save(run.path, at, model, optimizer, scheduler, prompts, generator, cfg.keep)
+        return checkpoint.save(run.path, at, model, optimizer, scheduler, prompts, generator, cfg.keep, scaler)
 
     stop = StopRequest()
     step, bad_in_a_row = done, 0
@@ -87,7 +96,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
             for step in range(done + 1, cfg.steps + 1):
                 try:
                     metrics, samples = train_step(cfg, step, model, tokenizer, generator, optimizer, scheduler,
-                                                  task, weights, prompts)
+                                                  task, weights, prompts, scaler)
                 except Exception as error:
                     if not is_out_of_memory(error):
                         raise
@@ -161,10 +170,16 @@ class StopRequest:
               flush=True)
 
 
+# torch's cpu allocator says "can't allocate memory"; a cuda call failing inside a library (vLLM mapping its
+# memory back at wake-up) raises "CUDA error: out of memory"
+OUT_OF_MEMORY_TEXTS = ("can't allocate memory", "out of memory")
+
+
 def is_out_of_memory(error: BaseException) -> bool:
-    """A GPU out-of-memory error, Python's MemoryError, or torch's CPU allocator failing (a RuntimeError)."""
+    """A GPU out-of-memory error, Python's MemoryError, or an allocator failing inside a library (a
+    RuntimeError whose text says so, as torch's cpu allocator and vLLM's wake-up raise it)."""
     return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or (
-        isinstance(error, RuntimeError) and "can't allocate memory" in str(error))
+        isinstance(error, RuntimeError) and any(text in str(error) for text in OUT_OF_MEMORY_TEXTS))
 
 
 def out_of_memory_advice(cfg: TrainConfig) -> str:
@@ -180,9 +195,10 @@ def out_of_memory_advice(cfg: TrainConfig) -> str:
 
 
 def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generator, optimizer, scheduler,
-               task: Task, weights: list[float], prompts: PromptPool) -> tuple[dict, list[dict]]:
+               task: Task, weights: list[float], prompts: PromptPool, scaler=None) -> tuple[dict, list[dict]]:
     """One GRPO step; returns the step's metrics and its samples."""
     G = cfg.num_generations
+    scaler = scaler or torch.amp.GradScaler(enabled=False)
     t0 = time.perf_counter()
 
     # 1. sample G completions per prompt, and score them
@@ -223,7 +239,7 @@ def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generat
 
     t_reference = time.perf_counter() - t_reference
     totals = dict.fromkeys(("loss", "kl", "clip_frac", "ratio/mean", "entropy"), 0.0)
-    nonfinite = False
+    nonfinite, overflows = False, 0
     gap_sum, gap_max, grad_norms = 0.0, 0.0, []
     for iteration in range(cfg.num_iterations):
         pass_loss = 0.0
@@ -237,7 +253,7 @@ def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generat
                                     epsilon_high=cfg.epsilon_high, beta=cfg.beta, aggregation=cfg.loss_aggregation,
                                     max_tokens=cfg.max_new_tokens, sampler_logps=sampler_logps, tis_cap=cfg.tis_cap)
             weight = L.microbatch_weight(mask, full_mask, cfg.loss_aggregation)
-            (loss * weight).backward()
+            scaler.scale(loss * weight).backward()
             pass_loss += loss.item() * weight
             if iteration == cfg.num_iterations - 1:  # report the last pass
                 share = mask.sum().item() / max(full_mask.sum().item(), 1)
@@ -249,13 +265,17 @@ def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generat
                 gap_sum += gap.sum().item()
                 gap_max = max(gap_max, gap.max().item()) if gap.numel() else gap_max
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        scaler.unscale_(optimizer)
         grad_norms.append(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf")).item())
         lr = scheduler.get_last_lr()[0]
         totals["loss"] = pass_loss  # the last pass's
         if np.isfinite(grad_norms[-1]) and np.isfinite(pass_loss):
-            optimizer.step()
+            scaler.step(optimizer)
+        elif np.isfinite(pass_loss) and scaler.is_enabled() and scaler.get_scale() >= 1:
+            overflows += 1  # float16 gradients overflowed at this scale: the scaler lowers it and skips the update
         else:  # a NaN or inf would poison the adapter and adam's moments: skip this update
             nonfinite = True
+        scaler.update()
         optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     t_sync = time.perf_counter()
@@ -286,10 +306,14 @@ def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generat
         "time/step": t_end - t0,
         "tokens_per_s": info["tokens_generated"] / max(batch_seconds[0], 1e-9),
         "mem/peak_gb": peak_memory_gb(),
+        **reserved_memory_gb(),
         **prompts.metrics(),
     }
     if nonfinite:
         metrics["skipped_nonfinite"] = 1
+    if scaler.is_enabled():
+        metrics["grad_scale"] = scaler.get_scale()
+        metrics["skipped_overflow"] = overflows
     if sampler is not None:
         metrics["sampler_logprob_gap/mean"] = gap_sum / max(full_mask.sum().item(), 1)
         metrics["sampler_logprob_gap/max"] = gap_max
@@ -321,22 +345,6 @@ def mean_of_present(values: list[float | None]) -> float | None:
     return float(np.mean(present)) if present else None
 
 
-def pad_batch(rows: list[tuple[list[int], list[int]]], pad_id: int, device) -> tuple[torch.Tensor, ...]:
-    """Prompts padded on the left and completions on the right, so all completions start at one column.
-
-    Returns input ids [b, Lp + T], attention mask [b, Lp + T], and the completion mask [b, T]."""
-    width_p = max(len(p) for p, _ in rows)
-    width_c = max(len(c) for _, c in rows)
-    ids, attention, mask = [], [], []
-    for p, c in rows:
-        left, right = width_p - len(p), width_c - len(c)
-        ids.append([pad_id] * left + p + c + [pad_id] * right)
-        attention.append([0] * left + [1] * (len(p) + len(c)) + [0] * right)
-        mask.append([1] * len(c) + [0] * right)
-    as_tensor = lambda x: torch.tensor(x, device=device)  # noqa: E731
-    return as_tensor(ids), as_tensor(attention), as_tensor(mask).bool()
-
-
 def padded(rows: list[list[float]], shape: tuple[int, int]) -> torch.Tensor:
     out = torch.zeros(shape)  # [B, T]
     for i, row in enumerate(rows):
@@ -360,6 +368,14 @@ def peak_memory_gb() -> float:
         return 0.0
     kib_or_bytes = 2**30 if sys.platform == "darwin" else 2**20  # macOS reports bytes, Linux KiB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / kib_or_bytes
+
+
+def reserved_memory_gb() -> dict:
+    """On a GPU, the peak of what torch's allocator reserved from the card (allocated plus its cache): what
+    other users of the card, such as the vLLM engine, could not have. Nothing on a cpu."""
+    if not torch.cuda.is_available():
+        return {}
+    return {"mem/peak_reserved_gb": torch.cuda.max_memory_reserved() / 2**30}
 
 
 def memory_in_use_gb() -> float:

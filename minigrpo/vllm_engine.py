@@ -11,11 +11,19 @@ How the engine stays the current policy without reloads:
   fraction of the bytes anyway;
 - the prefix cache is reset after each update, or stale kv blocks of the old policy would be reused.
 
-Everything that depends on vLLM's internals (where the LoRA layers live, how they pack) is in this file.
+On a GPU the engine may sleep while the trainer computes gradients (level 1: weights to host RAM, cache
+dropped; level 2 would drop the LoRA slots too). `sync` only marks the adapter stale; `generate` wakes the
+engine, writes the adapter, generates and sleeps again, so nothing is written into a sleeping engine and the
+engine is awake only while it samples.
+
+Everything that depends on vLLM's internals is in this file, and everything that differs between the vLLM
+versions it supports (`hardware.VLLM_RANGE`, 0.10.2 up to 0.33) is in `adapt_set_lora` and `engine_options`.
 """
 
 from __future__ import annotations
 
+import gc
+import inspect
 import os
 import random
 import tempfile
@@ -25,9 +33,9 @@ import torch
 
 from minigrpo.generation import Rollout, Sampling
 from minigrpo.model import export_weights
+from minigrpo.plan import MAX_BATCHED_TOKENS, VLLM_LORA_RANKS
 
 LORA_ID = 1  # the one adapter the engine serves: the policy
-VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the slot sizes vLLM allocates
 
 
 def vllm_available() -> bool:
@@ -36,52 +44,88 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def adapt_set_lora(set_lora):
+    """A `write(index, a, b)` for a LoRA layer's `set_lora`, whatever its vLLM version.
+
+    a is [r, in] and b is [out, r] as PEFT holds them (lists of them for packed layers). vLLM 0.12 and later
+    take exactly that: set_lora(index, a, b). 0.11 adds a fourth argument, the embeddings tensor (None for
+    linear layers). 0.10 takes that fourth argument and an optional bias, and wants A and B transposed
+    ([in, r] and [r, out]), which it transposes back as it copies them into its slots.
+    """
+    params = inspect.signature(set_lora).parameters
+    if "lora_bias" in params:  # 0.10.x
+        def t(x):
+            return [p.T for p in x] if isinstance(x, list) else x.T
+
+        return lambda index, a, b: set_lora(index, t(a), t(b), None)
+    if "embeddings_tensor" in params:  # 0.11.x
+        return lambda index, a, b: set_lora(index, a, b, None)
+    return set_lora  # 0.12 and later
+
+
+def engine_options(vllm_version: str, on_gpu: bool, max_rows: int) -> dict:
+    """LLM(...) keyword arguments that differ by version or platform."""
+    options = dict(enable_sleep_mode=on_gpu)  # vLLM refuses sleep mode on cpu
+    mode = "processed_logprobs"  # log-probs after temperature: comparable to the trainer's
+    try:  # 0.10 declares the mode as an enum, later versions as a string literal
+        from vllm.config import LogprobsMode
+
+        options["logprobs_mode"] = LogprobsMode(mode) if isinstance(LogprobsMode, type) else mode
+    except ImportError:
+        options["logprobs_mode"] = mode
+    if on_gpu:  # bound the engine's batch, so its workspace (and `plan.py`'s estimate of it) stays small
+        options.update(max_num_seqs=max(max_rows, 8), max_num_batched_tokens=MAX_BATCHED_TOKENS)
+    return options
+
+
 class VLLMGenerator:
-    def __init__(self, model, tokenizer, *, lora_rank: int, max_model_len: int, seed: int,
-                 gpu_memory_utilization: float = 0.3, dtype: torch.dtype | None = None):
+    """The generator interface (`generation.Generator`) on a colocated vLLM engine."""
+
+    def __init__(self, llm, lora_request, *, sleep: bool, seed: int):
+        self.llm, self.lora = llm, lora_request
+        self.sleep_between = sleep
+        self.asleep = False
+        self.pending = None  # LoRA weights written at the next wake-up (`sync` before `generate`)
+        self.rng = random.Random(seed)
+        self.folder = None
+
+    @classmethod
+    def start(cls, model, tokenizer, *, lora_rank: int, max_model_len: int, seed: int, max_rows: int,
+              gpu_memory_utilization: float | None, sleep: bool, dtype: torch.dtype) -> "VLLMGenerator":
+        """Export the trainer's base, start the engine on it, register the adapter and fill it."""
         # in-process engine: the worker must live in this process to be handed tensors directly
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of kv cache on cpu
+        import vllm
         from vllm import LLM
         from vllm.lora.request import LoRARequest
 
         on_gpu = torch.cuda.is_available()
-        dtype = dtype or (model.dtype if on_gpu else torch.float32)  # fp32 is ~4x faster on cpu
-        self.folder = tempfile.TemporaryDirectory(prefix="minigrpo-engine-")
-        base_dir, adapter_dir = Path(self.folder.name) / "base", Path(self.folder.name) / "adapter"
+        folder = tempfile.TemporaryDirectory(prefix="minigrpo-engine-")
+        base_dir, adapter_dir = Path(folder.name) / "base", Path(folder.name) / "adapter"
         export_weights(model, tokenizer, base_dir, dtype, merge_adapter=False)
         model.save_pretrained(adapter_dir)  # registers the adapter's shape once; its values come by sync
-
-        self.sleep_mode = on_gpu  # vLLM refuses sleep mode on cpu
         rank = next((r for r in VLLM_LORA_RANKS if r >= lora_rank), lora_rank)
-        try:
-            self.llm = LLM(
-                model=str(base_dir), dtype=str(dtype).removeprefix("torch."), seed=seed, enable_lora=True,
-                max_lora_rank=rank, max_loras=1, max_model_len=max_model_len,
-                gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
-                logprobs_mode="processed_logprobs",  # after temperature: comparable to the trainer's
-                enable_sleep_mode=self.sleep_mode,
-            )
-        except Exception as error:
-            raise RuntimeError(
-                f"could not start the vLLM engine ({type(error).__name__}: {error}). On a GPU, lower or raise "
-                f"--gpu-memory-utilization (now {gpu_memory_utilization}) or --max-new-tokens; or train with "
-                f"--generator hf, which needs no engine."
-            ) from error
-        self.lora = LoRARequest("policy", LORA_ID, str(adapter_dir))
-        self.rng = random.Random(seed)
+        share = {"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization else {}
+        llm = LLM(model=str(base_dir), dtype=str(dtype).removeprefix("torch."), seed=seed, enable_lora=True,
+                  max_lora_rank=rank, max_loras=1, max_model_len=max_model_len, enable_prefix_caching=True,
+                  **share, **engine_options(vllm.__version__, on_gpu, max_rows))
+        engine = cls(llm, LoRARequest("policy", LORA_ID, str(adapter_dir)), sleep=sleep and on_gpu, seed=seed)
+        engine.folder = folder
         # one token with the adapter registers it and puts it in a slot; from then on sync overwrites the slot
-        self.score([[tokenizer.eos_token_id or 0] * 2], 1)
-        self.sync(model)
-        self._sleep()
+        engine.score([[tokenizer.eos_token_id or 0] * 2], 1)
+        engine.sync(model)
+        engine._wake()  # writes the adapter now, so a wrong layout fails at start, not at step 1
+        engine._sleep()
+        return engine
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> Rollout:
         from vllm import SamplingParams
 
-        self._wake()
         params = SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                                 max_tokens=sampling.max_new_tokens, logprobs=0,
                                 seed=self.rng.randrange(2**31))
+        self._wake()
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params,
                                     lora_request=self.lora, use_tqdm=False)
         self._sleep()
@@ -94,18 +138,12 @@ class VLLMGenerator:
                 logps.append([step[t].logprob for t, step in zip(ids, out.logprobs)])
         return Rollout(completions, truncated, logps)
 
-    def state_dict(self) -> dict:
-        return {"rng": self.rng.getstate()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.rng.setstate(state["rng"])
-
     def score(self, token_ids: list[list[int]], n_last: int) -> list[list[float]]:
         """The engine's log-probs (temperature 1) of the last `n_last` tokens of each sequence."""
         from vllm import SamplingParams
 
-        self._wake()
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+        self._wake()
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in token_ids], params,
                                     lora_request=self.lora, use_tqdm=False)
         self._sleep()
@@ -113,23 +151,53 @@ class VLLMGenerator:
                 for ids, out in zip(token_ids, outputs)]
 
     def sync(self, model) -> None:
-        """Write the trainer's current LoRA weights into the engine's adapter slot, in place."""
-        self._wake()
-        weights = lora_weights(model)
-        written = self.llm.collective_rpc(_write_lora, args=(LORA_ID, weights))
+        """Take the trainer's current LoRA weights; they reach the engine's slot at its next wake-up."""
+        self.pending = lora_weights(model)
+        if not self.asleep:
+            self._write_pending()
+
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.setstate(state["rng"])
+
+    def close(self) -> None:
+        """Shut the engine down and free its memory, so a later engine in this process can start."""
+        if self.llm is None:
+            return
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        self.llm = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if self.folder is not None:
+            self.folder.cleanup()
+
+    def _write_pending(self) -> None:
+        if self.pending is None:
+            return
+        written = self.llm.collective_rpc(_write_lora, args=(LORA_ID, self.pending))
         if min(written) == 0:
             raise RuntimeError("the vLLM engine took none of the adapter's weights: its LoRA layers did not "
                                "match the trainer's module names")
-        self.llm.reset_prefix_cache()
+        self.llm.reset_prefix_cache()  # cached kv blocks were computed with the old adapter
+        self.pending = None
 
     def _wake(self) -> None:
-        if self.sleep_mode and getattr(self, "asleep", False):
+        if self.asleep:
+            # vLLM before 0.12 maps its memory back without emptying torch's cache first: the trainer's freed
+            # blocks would still be held, and the wake-up could run out of memory
+            gc.collect()
+            torch.cuda.empty_cache()
             self.llm.wake_up()
             self.asleep = False
+        self._write_pending()
 
     def _sleep(self) -> None:
-        # hand the kv cache back to the trainer while it computes gradients
-        if self.sleep_mode:
+        if self.sleep_between:  # level 1: weights (and LoRA slots) to host RAM; level 2 would lose the slots
             self.llm.sleep(level=1)
             self.asleep = True
 
@@ -142,7 +210,7 @@ def lora_weights(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
             key = name.removeprefix("base_model.model.")
             a = module.lora_A["default"].weight.detach()
             b = module.lora_B["default"].weight.detach() * module.scaling["default"]
-            weights[key] = (a, b)
+            weights[key] = (a.clone(), b)
     return weights
 
 
@@ -160,8 +228,9 @@ def _write_lora(worker, lora_id: int, weights: dict[str, tuple[torch.Tensor, tor
         if any(part is None for part in parts):
             continue
         device = layer.lora_a_stacked[0].device
-        a = [p[0].to(device) for p in parts]
-        b = [p[1].to(device) for p in parts]
-        layer.set_lora(index, a if packed else a[0], b if packed else b[0])
+        dtype = layer.lora_a_stacked[0].dtype
+        a = [p[0].to(device, dtype) for p in parts]
+        b = [p[1].to(device, dtype) for p in parts]
+        adapt_set_lora(layer.set_lora)(index, a if packed else a[0], b if packed else b[0])
         written += 1
     return written

@@ -40,3 +40,18 @@ def test_your_own_reward_notebook(tmp_path):
     text = outputs(nb)
     assert "three_lines" in text and "pass@1" in text
     assert (tmp_path / "haiku" / "run" / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_countdown_notebook_shows_a_training_error_as_an_error(tmp_path):
+    """Training runs in the cell itself, not in a thread that would swallow the error and print "done"."""
+    import pytest
+    from nbclient.exceptions import CellExecutionError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # the run folder cannot be made under a file: train() itself fails
+    with pytest.raises(CellExecutionError) as failed:
+        run_notebook("countdown_qwen_1.5b.ipynb", (
+            'MODEL = "smollm2-135m"\nTASK = "countdown"\nSTEPS = 2\nNUM_GENERATIONS = 2\nPROMPTS_PER_STEP = 1\n'
+            f'MAX_NEW_TOKENS = 8\nGENERATOR = "hf"\nRUN_DIR = "{blocker / "run"}"\nLIVE_PLOT_SECONDS = 1\n'
+        ), tmp_path)
+    assert "Not a directory" in str(failed.value) and "import threading" in str(failed.value)  # the training cell

@@ -22,9 +22,10 @@ TOL = 2e-3  # mean |engine - trainer| log-prob per token; fp32 on both sides, sa
 def setup(tiny_model_path):
     tokenizer = load_tokenizer(tiny_model_path)
     policy = load_policy(TrainConfig(lora_rank=8, load_in_4bit=True), tiny_model_path)
-    engine = VLLMGenerator(policy, tokenizer, lora_rank=8, max_model_len=256, seed=0)
+    engine = VLLMGenerator.start(policy, tokenizer, lora_rank=8, max_model_len=256, seed=0, max_rows=8,
+                                 gpu_memory_utilization=None, sleep=False, dtype=torch.float32)
     yield policy, tokenizer, engine
-    del engine
+    engine.close()
     gc.collect()
 
 
@@ -93,6 +94,9 @@ def test_train_with_vllm_end_to_end(tmp_path, tiny_model_path, monkeypatch):
 
         monkeypatch.setattr(owner, name, counted)
 
+    closed = []
+    monkeypatch.setattr(VLLMGenerator, "close", lambda self, _real=VLLMGenerator.close: (closed.append(self),
+                                                                                        _real(self)))
     out = tmp_path / "run"
     train(TrainConfig(generator="vllm", load_in_4bit=True, steps=3, num_generations=4, prompts_per_step=2, max_new_tokens=16,
                       output_dir=str(out), sample_every=0, seed=3))
@@ -102,3 +106,9 @@ def test_train_with_vllm_end_to_end(tmp_path, tiny_model_path, monkeypatch):
         assert m["time/sync"] >= 0
         assert 0 <= m["sampler_logprob_gap/mean"] < TOL and m["sampler_logprob_gap/max"] < 50 * TOL
     assert calls == {"engine": 1, "adapter_load": 1}, calls
+    assert len(closed) == 1 and closed[0].llm is None, "the run shuts its engine down when it ends"
+
+    # a second run in the same process (a notebook cell run again) starts its own engine and trains
+    train(TrainConfig(generator="vllm", load_in_4bit=True, steps=1, num_generations=2, prompts_per_step=1,
+                      max_new_tokens=8, output_dir=str(tmp_path / "again"), sample_every=0, seed=4))
+    assert calls["engine"] == 2 and len(closed) == 2

