@@ -1,7 +1,7 @@
 """minigrpo: GRPO on one consumer GPU, with a 4-bit base, LoRA adapters and checkable rewards."""
 
 from minigrpo.config import TrainConfig
-from minigrpo.generation import sample_texts
+from minigrpo.evaluate import sample_texts
 from minigrpo.scoring import per_sample
 from minigrpo.train import train
 

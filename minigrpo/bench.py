@@ -179,13 +179,10 @@ def compare_with_trl(steps: int = 6, rounds: int = 1, console: Console | None = 
 def _memory_child(path: str, rows: int, length: int, out: str) -> None:
     """One log-prob + loss pass (forward and backward, in training mode as in a step) with the tiny model;
     its peak memory above what was in use just before it."""
-    import threading
-
     import torch
 
     from minigrpo import loss as L
     from minigrpo.model import full_logprobs, load_policy, load_tokenizer, resolve_weights, token_logprobs
-    from minigrpo.train import memory_in_use_gb
 
     cfg = TrainConfig(load_in_4bit=torch.cuda.is_available())
     weights = resolve_weights(cfg.hub_id)
@@ -204,26 +201,39 @@ def _memory_child(path: str, rows: int, length: int, out: str) -> None:
         model.zero_grad(set_to_none=True)
 
     one_pass(1, 8)  # warm-up: thread pools and kernels allocate their buffers once
+    extra = extra_memory_gb(lambda: one_pass(rows, length))
+    Path(out).write_text(json.dumps({"extra_gb": extra}))
+
+
+def extra_memory_gb(fn) -> float:
+    """Peak memory while `fn()` runs, above what was in use before it: GPU memory where there is a GPU, else
+    the resident set sampled every 2 ms (run with LIVE_MEMORY_ENV, so freed memory leaves it)."""
+    import threading
+
+    import torch
+
+    from minigrpo.train import memory_in_use_gb
+
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        one_pass(rows, length)
-        extra = (torch.cuda.max_memory_allocated() - before) / 2**30
-    else:  # the resident set, sampled every 2 ms while the pass runs
-        before, peak, running = memory_in_use_gb(), [0.0], [True]
+        fn()
+        return (torch.cuda.max_memory_allocated() - before) / 2**30
+    before, peak, running = memory_in_use_gb(), [0.0], [True]
 
-        def watch():
-            while running[0]:
-                peak[0] = max(peak[0], memory_in_use_gb())
-                time.sleep(0.002)
+    def watch():
+        while running[0]:
+            peak[0] = max(peak[0], memory_in_use_gb())
+            time.sleep(0.002)
 
-        watcher = threading.Thread(target=watch)
-        watcher.start()
-        one_pass(rows, length)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        fn()
+    finally:
         running[0] = False
         watcher.join()
-        extra = max(peak[0], memory_in_use_gb()) - before
-    Path(out).write_text(json.dumps({"extra_gb": extra}))
+    return max(peak[0], memory_in_use_gb()) - before
 
 
 def memory_scaling(lengths=(64, 256, 1024, 2048), rows_at=4, groups=(4, 8, 16, 32), length_at=256,

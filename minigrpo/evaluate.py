@@ -1,4 +1,5 @@
-"""Held-out evaluation: pass@1 with greedy decoding, and the mean reward over n samples.
+"""Held-out evaluation: pass@1 with greedy decoding, and the mean reward over n samples; and sampling from
+a trained adapter (`sample_texts`), for a look at its words.
 
 During training (`--eval-every N`) and afterwards (`minigrpo eval`), on the task's "test" split, so a
 before/after comparison is one command each:
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 
 from minigrpo.config import TrainConfig
-from minigrpo.generation import Generator, Sampling
+from minigrpo.generation import Generator, HFGenerator, Sampling
 from minigrpo.scoring import score
 from minigrpo.tasks import Task
 
@@ -64,3 +65,16 @@ class Evaluator:
 
 def stderr(values: list[float]) -> float:
     return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+
+
+def sample_texts(prompts: list, adapter=None, model: str | None = None, n: int = 1, max_new_tokens: int = 256,
+                 temperature: float = 0.7, seed: int = 0) -> list[str]:
+    """Completions (n per prompt, grouped) from a trained adapter, or from the base model without one."""
+    from minigrpo.model import load_trained, seed_everything
+    from minigrpo.rollout import render_prompt
+
+    seed_everything(seed)
+    policy, tokenizer, _ = load_trained(adapter, model)
+    ids = [tokenizer(render_prompt(tokenizer, p), add_special_tokens=False).input_ids for p in prompts]
+    out = HFGenerator(policy, tokenizer).generate(ids, Sampling(n, max_new_tokens, temperature))
+    return tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)

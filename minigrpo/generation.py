@@ -120,17 +120,3 @@ def _eos_ids(model, tokenizer) -> list[int]:
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     return ids
-
-
-def sample_texts(prompts: list, adapter=None, model: str | None = None, n: int = 1, max_new_tokens: int = 256,
-                 temperature: float = 0.7, seed: int = 0) -> list[str]:
-    """Completions (n per prompt, grouped) from a trained adapter, or from the base model without one."""
-    from minigrpo.model import load_trained
-    from minigrpo.rollout import render_prompt
-    from minigrpo.train import seed_everything
-
-    seed_everything(seed)
-    policy, tokenizer, _ = load_trained(adapter, model)
-    ids = [tokenizer(render_prompt(tokenizer, p), add_special_tokens=False).input_ids for p in prompts]
-    out = HFGenerator(policy, tokenizer).generate(ids, Sampling(n, max_new_tokens, temperature))
-    return tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)

@@ -132,7 +132,9 @@ def version_tuple(version: str) -> tuple[int, int, int]:
 
 
 def vllm_supported(version: str) -> bool:
-    """>>> [vllm_supported(v) for v in ("0.9.2", "0.10.2", "0.11.2", "0.32.0", "0.33.1", "0.34.0")]
+    """Whether vllm_engine.py knows this vLLM version's internals.
+
+    >>> [vllm_supported(v) for v in ("0.9.2", "0.10.2", "0.11.2", "0.32.0", "0.33.1", "0.34.0")]
     [False, True, True, True, True, False]
     """
     low, high = VLLM_RANGE

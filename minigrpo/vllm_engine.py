@@ -63,7 +63,7 @@ def adapt_set_lora(set_lora):
     return set_lora  # 0.12 and later
 
 
-def engine_options(vllm_version: str, on_gpu: bool, max_rows: int) -> dict:
+def engine_options(on_gpu: bool, max_rows: int) -> dict:
     """LLM(...) keyword arguments that differ by version or platform."""
     options = dict(enable_sleep_mode=on_gpu)  # vLLM refuses sleep mode on cpu
     mode = "processed_logprobs"  # log-probs after temperature: comparable to the trainer's
@@ -96,7 +96,6 @@ class VLLMGenerator:
         # in-process engine: the worker must live in this process to be handed tensors directly
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of kv cache on cpu
-        import vllm
         from vllm import LLM
         from vllm.lora.request import LoRARequest
 
@@ -109,7 +108,7 @@ class VLLMGenerator:
         share = {"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization else {}
         llm = LLM(model=str(base_dir), dtype=str(dtype).removeprefix("torch."), seed=seed, enable_lora=True,
                   max_lora_rank=rank, max_loras=1, max_model_len=max_model_len, enable_prefix_caching=True,
-                  **share, **engine_options(vllm.__version__, on_gpu, max_rows))
+                  **share, **engine_options(on_gpu, max_rows))
         engine = cls(llm, LoRARequest("policy", LORA_ID, str(adapter_dir)), sleep=sleep and on_gpu, seed=seed)
         engine.folder = folder
         # one token with the adapter registers it and puts it in a slot; from then on sync overwrites the slot

@@ -206,6 +206,25 @@ def test_the_adapter_is_written_right_after_waking_inside_generate(monkeypatch):
     assert log == ["empty_cache", "wake_up", "generate", "sleep"]
 
 
+def test_engine_options_by_platform_and_version(monkeypatch):
+    import enum
+
+    vllm_config = pytest.importorskip("vllm.config")
+    from minigrpo.vllm_engine import engine_options
+
+    cpu, gpu = engine_options(on_gpu=False, max_rows=32), engine_options(on_gpu=True, max_rows=32)
+    assert cpu["enable_sleep_mode"] is False and "max_num_seqs" not in cpu  # vLLM refuses sleep mode on a cpu
+    assert gpu["enable_sleep_mode"] is True and gpu["max_num_seqs"] == 32
+    assert cpu["logprobs_mode"] == "processed_logprobs"  # after temperature, like the trainer's
+
+    class LogprobsMode(enum.Enum):  # vllm 0.10.x declares the mode as an enum
+        RAW_LOGPROBS = "raw_logprobs"
+        PROCESSED_LOGPROBS = "processed_logprobs"
+
+    monkeypatch.setattr(vllm_config, "LogprobsMode", LogprobsMode, raising=False)
+    assert engine_options(on_gpu=False, max_rows=4)["logprobs_mode"] is LogprobsMode.PROCESSED_LOGPROBS
+
+
 def test_close_shuts_the_engine_down(monkeypatch):
     pytest.importorskip("vllm")
     from types import SimpleNamespace
@@ -243,7 +262,7 @@ def test_an_engine_that_cannot_start_gives_way_to_transformers_with_auto(monkeyp
     generator = startup.make_generator(cfg, policy, _tokenizer(tiny_model_path), plan, torch.float32, said.append)
     assert isinstance(generator, HFGenerator)
     assert len(said) == 1 and "no kernel image" in said[0] and "transformers" in said[0]
-    with pytest.raises(RuntimeError, match="--generator hf"):
+    with pytest.raises(startup.SetupError, match="--generator hf"):
         startup.make_generator(TrainConfig(generator="vllm"), policy, _tokenizer(tiny_model_path), plan,
                                torch.float32, said.append)
 
@@ -403,26 +422,17 @@ def test_notebook_install_cells_install_what_exists():
 # --- 4. the export streams: one layer at a time, not the whole model at once ---
 
 EXPORT_CHILD = """
-import json, sys, threading, time, torch
+import json, sys, torch
+from minigrpo.bench import extra_memory_gb
 from minigrpo.config import TrainConfig
 from minigrpo.model import export_weights, load_policy, load_tokenizer
-from minigrpo.train import memory_in_use_gb
 path, out = sys.argv[1], sys.argv[2]
 policy = load_policy(TrainConfig(lora_rank=8, load_in_4bit=False), path, torch.float32)
 tokenizer = load_tokenizer(path)
 for p in policy.parameters():  # weights load memory-mapped: page them all in, so only the export's own memory counts
     p.data.add_(0)
-before, peak, running = memory_in_use_gb(), [0.0], [True]
-def watch():
-    while running[0]:
-        peak[0] = max(peak[0], memory_in_use_gb())
-        time.sleep(0.002)
-watcher = threading.Thread(target=watch)
-watcher.start()
-export_weights(policy, tokenizer, out, torch.bfloat16, merge_adapter=True)
-running[0] = False
-watcher.join()
-print(json.dumps({"extra_gb": max(peak[0], memory_in_use_gb()) - before}))
+extra = extra_memory_gb(lambda: export_weights(policy, tokenizer, out, torch.bfloat16, merge_adapter=True))
+print(json.dumps({"extra_gb": extra}))
 """
 
 
