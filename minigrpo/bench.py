@@ -325,7 +325,7 @@ def bench_model(preset: str, groups=(4, 8), lengths=None, steps: int = 3, genera
                              "completion tokens": max(m["completion_len/max"] for m in metrics),
                              "loaded GB": med("mem/loaded_gb"), "peak GB": max(m["mem/peak_gb"] for m in metrics),
                              "reserved GB": max(m.get("mem/peak_reserved_gb", 0.0) for m in metrics)})
-    from minigrpo.vllm_engine import vllm_available
+    from minigrpo.hardware import vllm_available
 
     # on a GPU with vLLM the cache is part of the engine's share, not of the step
     hf_generation = generator == "hf" or not gpu or not vllm_available()

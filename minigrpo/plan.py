@@ -340,6 +340,18 @@ def smaller_settings(s: Settings):
                                                   gpu_memory_utilization=None)
 
 
+def plans_for(cfg, gpu: str | None, gpu_memory: float | None) -> dict[str, Plan]:
+    """`minigrpo plan`'s plans: for the card named (or of that memory), else this machine's GPU, else every
+    card in `hardware.CARDS`."""
+    from minigrpo.hardware import CARDS, card, this_gpu, vllm_available
+
+    here = None if gpu or gpu_memory else this_gpu()
+    cards = ({gpu or f"{gpu_memory:g} GB": card(gpu, gpu_memory)} if gpu or gpu_memory else
+             {"this GPU": here} if here else dict(CARDS))
+    installed = vllm_available() if here else True  # for another machine's card, assume it will have vLLM
+    return {label: make_plan(shape_of(cfg), c, Settings.of(cfg), installed) for label, c in cards.items()}
+
+
 def print_plans(cfg, plans: dict[str, Plan], console) -> None:
     """`minigrpo plan`'s table, one row per card, and what each row's choices rest on."""
     from rich.table import Table

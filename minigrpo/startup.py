@@ -16,10 +16,10 @@ import torch
 
 from minigrpo.config import TrainConfig
 from minigrpo.generation import Generator, HFGenerator, Sampling
-from minigrpo.hardware import Gpu, compute_dtype, this_gpu
+from minigrpo.hardware import Gpu, compute_dtype, this_gpu, vllm_available
 from minigrpo.model import load_policy, load_tokenizer, pad_batch, resolve_weights, token_logprobs
 from minigrpo.plan import Plan, Settings, make_plan
-from minigrpo.vllm_engine import VLLMGenerator, vllm_available
+from minigrpo.vllm_engine import VLLMGenerator
 
 
 class SetupError(RuntimeError):

@@ -38,12 +38,6 @@ from minigrpo.plan import MAX_BATCHED_TOKENS, VLLM_LORA_RANKS
 LORA_ID = 1  # the one adapter the engine serves: the policy
 
 
-def vllm_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
-
-
 def adapt_set_lora(set_lora):
     """A `write(index, a, b)` for a LoRA layer's `set_lora`, whatever its vLLM version.
 
