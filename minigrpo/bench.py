@@ -291,6 +291,22 @@ def weights_or_random(preset: str, folder: Path, random_weights: bool = False) -
     return str(folder), True
 
 
+def measure_setting(weights: str, base: TrainConfig, G: int, n: int, steps: int, generator: str) -> dict:
+    """Train one G x max-new-tokens setting in a fresh process; the medians of its steps after the first."""
+    settings = dict(model=weights, task="addition", steps=steps, num_generations=G, max_new_tokens=n,
+                    prompts_per_step=base.prompts_per_step, lora_rank=base.lora_rank,
+                    learning_rate=base.learning_rate, generator=generator)
+    metrics = run_variant(settings, env=LIVE_MEMORY_ENV)
+    metrics = metrics[1:] or metrics  # the first step pays for warm-up
+    med = lambda k: statistics.median(m.get(k, 0.0) for m in metrics)  # noqa: E731
+    return {"G": G, "max_new_tokens": n, "prompts": base.prompts_per_step,
+            "s/step": med("time/step"), "tokens/s": med("tokens_per_s"), "sync s": med("time/sync"),
+            "prompt tokens": max(m["prompt_len/max"] for m in metrics),
+            "completion tokens": max(m["completion_len/max"] for m in metrics),
+            "loaded GB": med("mem/loaded_gb"), "peak GB": max(m["mem/peak_gb"] for m in metrics),
+            "reserved GB": max(m.get("mem/peak_reserved_gb", 0.0) for m in metrics)}
+
+
 def bench_model(preset: str, groups=(4, 8), lengths=None, steps: int = 3, generator: str = "auto",
                 random_weights: bool = False, console: Console | None = None) -> list[dict]:
     """Generation tokens/s, seconds per step, sync time and peak memory for a few G x max-new-tokens,
@@ -310,21 +326,7 @@ def bench_model(preset: str, groups=(4, 8), lengths=None, steps: int = 3, genera
         shape = AutoConfig.from_pretrained(weights)
         console.print(f"{preset}: {'random weights of its shape' if random_weights else 'its real weights'}, "
                       f"{'GPU: ' + torch.cuda.get_device_name(0) if gpu else 'cpu'}", highlight=False)
-        rows = []
-        for G in groups:
-            for n in lengths:
-                settings = dict(model=weights, task="addition", steps=steps, num_generations=G, max_new_tokens=n,
-                                prompts_per_step=base.prompts_per_step, lora_rank=base.lora_rank,
-                                learning_rate=base.learning_rate, generator=generator)
-                metrics = run_variant(settings, env=LIVE_MEMORY_ENV)
-                metrics = metrics[1:] or metrics  # the first step pays for warm-up
-                med = lambda k: statistics.median(m.get(k, 0.0) for m in metrics)  # noqa: E731
-                rows.append({"G": G, "max_new_tokens": n, "prompts": base.prompts_per_step,
-                             "s/step": med("time/step"), "tokens/s": med("tokens_per_s"), "sync s": med("time/sync"),
-                             "prompt tokens": max(m["prompt_len/max"] for m in metrics),
-                             "completion tokens": max(m["completion_len/max"] for m in metrics),
-                             "loaded GB": med("mem/loaded_gb"), "peak GB": max(m["mem/peak_gb"] for m in metrics),
-                             "reserved GB": max(m.get("mem/peak_reserved_gb", 0.0) for m in metrics)})
+        rows = [measure_setting(weights, base, G, n, steps, generator) for G in groups for n in lengths]
     from minigrpo.hardware import vllm_available
 
     # on a GPU with vLLM the cache is part of the engine's share, not of the step

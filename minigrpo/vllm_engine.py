@@ -75,13 +75,13 @@ def engine_options(on_gpu: bool, max_rows: int) -> dict:
 class VLLMGenerator:
     """The generator interface (`generation.Generator`) on a colocated vLLM engine."""
 
-    def __init__(self, llm, lora_request, *, sleep: bool, seed: int):
+    def __init__(self, llm, lora_request, *, sleep: bool, seed: int, folder=None):
         self.llm, self.lora = llm, lora_request
+        self.folder = folder  # the exported base and the adapter's shape, removed at close
         self.sleep_between = sleep
         self.asleep = False
         self.pending = None  # LoRA weights written at the next wake-up (`sync` before `generate`)
         self.rng = random.Random(seed)
-        self.folder = None
 
     @classmethod
     def start(cls, model, tokenizer, *, lora_rank: int, max_model_len: int, seed: int, max_rows: int,
@@ -103,8 +103,8 @@ class VLLMGenerator:
         llm = LLM(model=str(base_dir), dtype=str(dtype).removeprefix("torch."), seed=seed, enable_lora=True,
                   max_lora_rank=rank, max_loras=1, max_model_len=max_model_len, enable_prefix_caching=True,
                   **share, **engine_options(on_gpu, max_rows))
-        engine = cls(llm, LoRARequest("policy", LORA_ID, str(adapter_dir)), sleep=sleep and on_gpu, seed=seed)
-        engine.folder = folder
+        engine = cls(llm, LoRARequest("policy", LORA_ID, str(adapter_dir)), sleep=sleep and on_gpu, seed=seed,
+                     folder=folder)
         # one token with the adapter registers it and puts it in a slot; from then on sync overwrites the slot
         engine.score([[tokenizer.eos_token_id or 0] * 2], 1)
         engine.sync(model)

@@ -43,7 +43,7 @@ def test_the_supported_vllm_range_is_the_one_pyproject_declares():
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["vllm"]
     spec = next(s for s in extra if s.startswith("vllm"))
     low, high = re.search(r">=([\d.]+),<([\d.]+)", spec).groups()
-    assert hardware.version_tuple(low) == hardware.VLLM_RANGE[0] and hardware.version_tuple(high) == hardware.VLLM_RANGE[1]
+    assert (hardware.version_tuple(low), hardware.version_tuple(high)) == hardware.VLLM_RANGE
     assert vllm_supported(hardware.VLLM_FOR_OLD_DRIVERS) and vllm_supported(hardware.VLLM_NEWEST_TESTED)
     assert vllm_requirement(CARDS["t4"]) == "vllm==0.11.2"
 
@@ -408,7 +408,8 @@ def test_notebook_install_cells_install_what_exists():
     """No `-q` hiding pip's errors, minigrpo from the repository (it is not on PyPI), and vLLM pinned to what
     `minigrpo doctor --vllm-requirement` picks for the GPU the notebook finds."""
     for path in (ROOT / "notebooks").glob("*.ipynb"):
-        source = "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code")
+        cells = json.loads(path.read_text())["cells"]
+        source = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
         installs = [line for line in source.splitlines() if "pip install" in line]
         assert installs, path.name
         for line in installs:
