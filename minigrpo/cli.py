@@ -13,6 +13,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="GRPO with a 4-bit base and LoRA adapters, on one consumer GPU (or a laptop cpu).")
 
 PRESET_HELP = "[default: from the model preset]"
+UNCONFINED_HELP = ("Run model-written code (the code task) even where the kernel lacks a sandbox layer "
+                   "(Landlock, namespaces, seccomp); `minigrpo doctor` says which this machine has.")
 
 
 @app.command()
@@ -22,6 +24,7 @@ def train(
     reward: list[str] = typer.Option([], help="Extra reward function file.py:function (repeat)."),
     reward_weight: list[float] = typer.Option([], help="One weight per reward function, the task's first (repeat)."),
     strict_rewards: bool = typer.Option(False, help="Stop when a reward function raises (default: score 0)."),
+    allow_unconfined_code: bool = typer.Option(False, help=UNCONFINED_HELP),
     steps: int = typer.Option(None, help="Optimizer steps [default: 30; with --resume, the run's own]."),
     resume: str = typer.Option(None, help="Continue this run folder from its latest checkpoint (other flags "
                                           "are taken from its config.json, but --steps may extend it)."),
@@ -65,6 +68,7 @@ def train(
     report_to: list[str] = typer.Option([], help="Also log to tensorboard and/or wandb (repeat); never by default."),
 ) -> None:
     """Train a LoRA adapter with GRPO and write a run folder."""
+    from minigrpo.sandbox import SandboxError
     from minigrpo.startup import SetupError
     from minigrpo.train import train as run_training
 
@@ -82,7 +86,7 @@ def train(
         try:
             cfg = TrainConfig(
                 model=model, task=task, rewards=reward, reward_weights=reward_weight or None,
-                strict_rewards=strict_rewards, steps=30 if steps is None else steps, output_dir=output_dir,
+                strict_rewards=strict_rewards, allow_unconfined_code=allow_unconfined_code, steps=30 if steps is None else steps, output_dir=output_dir,
                 save_every=save_every, keep=keep, num_generations=num_generations, prompts_per_step=prompts_per_step,
                 max_new_tokens=max_new_tokens, learning_rate=learning_rate, beta=beta, loss=loss,
                 scale_rewards=scale_rewards, loss_aggregation=loss_aggregation, epsilon=epsilon,
@@ -98,7 +102,7 @@ def train(
             raise typer.BadParameter(str(error)) from None
     try:
         run_training(cfg, resume=bool(resume))
-    except (RewardError, ValueError, FileNotFoundError, SetupError) as error:
+    except (RewardError, ValueError, FileNotFoundError, SetupError, SandboxError) as error:
         Console(stderr=True).print(f"[bold red]error[/]: {error}", highlight=False)
         raise typer.Exit(1) from None
 
@@ -114,6 +118,7 @@ def eval_command(
     max_new_tokens: int = typer.Option(None, help="Completion length limit [default: the run's, else the preset's]."),
     out: str = typer.Option(None, help="Folder for eval.jsonl [default: the adapter's run folder]."),
     seed: int = typer.Option(None, help="Seed of the held-out split [default: the run's, else 0]."),
+    allow_unconfined_code: bool = typer.Option(False, help=UNCONFINED_HELP),
 ) -> None:
     """Evaluate the base model or a trained adapter on the task's held-out split: pass@1 and mean reward."""
     from pathlib import Path
@@ -121,15 +126,16 @@ def eval_command(
     from minigrpo.evaluate import Evaluator
     from minigrpo.generation import HFGenerator
     from minigrpo.model import load_trained
-    from minigrpo.tasks import get_task
+    from minigrpo.tasks import check_sandbox, get_task
     from minigrpo.model import seed_everything
-
+    
+    t = get_task(task, reward)
+    check_sandbox(allow_unconfined_code, Console().print)
     # the run's own seed by default: it decides the held-out split, which must be the one training never saw
     policy, tokenizer, cfg = load_trained(adapter, model, max_new_tokens=max_new_tokens, eval_prompts=prompts,
                                           eval_samples=samples, seed=seed)
     seed_everything(cfg.seed)
     run_dir = Path(adapter).parent if adapter else None
-    t = get_task(task, reward)
     result = Evaluator(cfg, t, t.weights, tokenizer, HFGenerator(policy, tokenizer), out or run_dir)(None)
     Console().print(f"{'adapter ' + adapter if adapter else 'base model ' + cfg.model} on {t.name}: "
                     f"pass@1 {result['pass@1']:.3f} ± {result['pass@1/stderr']:.3f}, mean reward "
@@ -176,13 +182,15 @@ def check_reward(
     max_new_tokens: int = typer.Option(None, help="Completion length limit [default: from the model preset]."),
     no_model: bool = typer.Option(False, "--no-model", help="Only the worked examples and the data; load no model."),
     seed: int = typer.Option(0),
+    allow_unconfined_code: bool = typer.Option(False, help=UNCONFINED_HELP),
 ) -> None:
     """Run the rewards on worked examples and on sampled completions; warn about broken or useless ones."""
     from minigrpo.check import check_examples, check_rewards, print_report
-    from minigrpo.tasks import get_task
-
+    from minigrpo.tasks import check_sandbox, get_task
+    
     console = Console()
     t = get_task(task, reward)
+    check_sandbox(allow_unconfined_code, console.print)
     rows = t.make_data("train", seed)[:prompts]
     for problem in check_examples(t):
         console.print(f"[red]worked example[/]: {problem}", highlight=False)
@@ -379,6 +387,14 @@ def bench_memory() -> None:
     from minigrpo.bench import memory_scaling
 
     memory_scaling()
+
+
+@bench_app.command("sandbox")
+def bench_sandbox(runs: int = typer.Option(40, help="Programs per side, taken in turns.")) -> None:
+    """Milliseconds per program in the code sandbox, against a bare interpreter running it."""
+    from minigrpo.bench import sandbox_overhead
+
+    sandbox_overhead(runs)
 
 
 @bench_app.command("model")

@@ -113,6 +113,7 @@ class TrainConfig:
     rewards: list[str] = field(default_factory=list)  # extra reward functions, "file.py:function"
     reward_weights: list[float] | None = None  # one weight per reward function; None: the task's own
     strict_rewards: bool = False  # a reward function that raises stops the run (default: scores 0, counted)
+    allow_unconfined_code: bool = False  # run model-written code where the kernel cannot fully confine it
 
     preset: dict = field(default_factory=dict, repr=False)  # the preset values used, kept for the record
 

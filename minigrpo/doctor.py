@@ -186,6 +186,15 @@ def check_engine(policy, tokenizer, dtype: torch.dtype, on_gpu: bool) -> list[Ch
     return checks
 
 
+def check_sandbox() -> Check:
+    """The code sandbox's layers, as its child finds them; only the code task needs them, so a missing
+    layer is a warning here (the code task itself refuses to run without it)."""
+    from minigrpo.sandbox import describe, layers
+
+    found = layers()
+    return Check("code sandbox", WARN if found["missing"] else OK, describe(found).removeprefix("code sandbox: "))
+
+
 def run_doctor(requested_dtype: str = "auto") -> list[Check]:
     import os
 
@@ -200,6 +209,7 @@ def run_doctor(requested_dtype: str = "auto") -> list[Check]:
     checks += check_versions(found, gpu)
     dtype, why = compute_dtype(gpu, requested_dtype)
     checks.append(Check("compute dtype", OK, f"{dtype_name(dtype)}: {why}"))
+    checks.append(check_sandbox())
     if any(c.status == FAIL and c.name in ("torch", "transformers", "peft", "cuda") for c in checks):
         return checks  # the live checks would only fail the same way
     with tempfile.TemporaryDirectory(prefix="minigrpo-doctor-") as tmp:

@@ -5,17 +5,20 @@ runs in a child process that receives only the arguments; it sends back what the
 the parent, which alone holds the expected results, decides. So a program that exits early, patches the
 assertions, or prints "all tests passed" gains nothing: no results, or wrong ones, score as a failure.
 
-The child is an isolated interpreter (`python -I -S`: no site-packages, no user paths) in a fresh empty
-directory, with a scrubbed environment, a wall-clock timeout, and limits on cpu time, memory, file size
-and processes; where the kernel allows it (as root), it also gets a new, empty network namespace. Inside
-the child, an audit hook (which the program cannot remove) refuses sockets, subprocesses, forks, ctypes,
-and any file access outside its directory other than reading Python's own library. The whole process
-group is killed when the child ends or times out, and the directory is removed.
+The child (`minigrpo/confine.py`) is an isolated interpreter (`python -I -S`: no site-packages) in a fresh
+empty folder with a scrubbed environment, confined by the kernel: rlimits, new user/pid/network namespaces,
+Landlock for the filesystem and seccomp for system calls (what each does is in that file). The parent kills
+its process group at the wall-clock timeout, and the folder is removed.
+
+The filesystem layer (Landlock) and a process layer (a pid namespace or seccomp) are required: where the
+kernel lacks them, `run_tests` raises `SandboxError` rather than run the program, unless the user allowed
+it (`--allow-unconfined-code`, which sets MINIGRPO_ALLOW_UNCONFINED_CODE=1). `layers()` says what this
+machine has; `minigrpo doctor` and the start of a run that uses the sandbox print it.
 """
 
 from __future__ import annotations
 
-import ctypes
+import functools
 import json
 import os
 import shutil
@@ -25,53 +28,17 @@ import sys
 import tempfile
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
-HARNESS = r"""
-import json, os, sys
-job = json.loads(sys.stdin.read())
-sys.stdin.close()
-results = os.fdopen(int(job["fd"]), "w")
-root = os.path.realpath(os.getcwd())
-readable = tuple({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix) + tuple(sys.path) if p})
-NO_IMPORT = {"_posixsubprocess", "_ctypes", "ctypes", "_socket", "socket", "_multiprocessing", "multiprocessing",
-             "_signal", "signal", "pty", "resource", "mmap", "_winapi", "fcntl"}
-BLOCKED = ("socket.", "subprocess.", "os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system",
-           "os.kill", "os.killpg", "ctypes.", "pty.", "signal.pthread_kill", "os.putenv", "os.unsetenv", "sys.addaudithook")
-def guard(event, args):
-    if event == "import" and args[0].partition(".")[0] in NO_IMPORT:
-        raise ImportError(f"sandbox: importing {args[0]} is not allowed")
-    if event.startswith(BLOCKED):
-        raise PermissionError(f"sandbox: {event} is not allowed")
-    if event in ("open", "os.listdir", "os.scandir", "os.mkdir", "os.remove", "os.rename", "os.rmdir", "os.chmod",
-                 "os.chown", "os.truncate", "os.symlink", "os.link", "os.utime", "shutil.rmtree"):
-        path = args[0]
-        if isinstance(path, int):
-            return
-        path = os.path.realpath(os.fsdecode(path))
-        inside = path == root or path.startswith(root + os.sep)
-        mode = args[1] if event == "open" and len(args) > 1 and isinstance(args[1], str) else ""
-        reading = event in ("open", "os.listdir", "os.scandir") and not any(c in mode for c in "wax+")
-        if event == "open" and len(args) > 2 and isinstance(args[2], int) and args[2] & (os.O_WRONLY | os.O_RDWR):
-            reading = False
-        if not inside and not (reading and path.startswith(readable)):
-            raise PermissionError(f"sandbox: {event} {path} is outside the sandbox")
-sys.addaudithook(guard)
-namespace = {"__name__": "solution"}
-outputs = []
-try:
-    exec(compile(job["program"], "solution.py", "exec"), namespace)
-    fn = namespace[job["function"]]
-    for args in job["inputs"]:
-        try:
-            outputs.append({"value": fn(*args)})
-        except BaseException as error:
-            outputs.append({"error": type(error).__name__})
-except BaseException as error:
-    outputs = {"error": f"{type(error).__name__}: {error}"[:300]}
-results.write(json.dumps(outputs, default=repr))
-results.close()
-os._exit(0)
-"""
+CHILD = str(Path(__file__).with_name("confine.py"))
+REQUIRED = ["filesystem", "processes", "network"]
+ALLOW_ENV = "MINIGRPO_ALLOW_UNCONFINED_CODE"
+
+
+class SandboxError(RuntimeError):
+    """The machine cannot confine model-written code as required; the message says what is missing."""
+
+    fatal = True  # not the reward's fault: scoring lets it stop the run instead of scoring 0
 
 
 @dataclass
@@ -86,54 +53,23 @@ class Verdict:
 
 
 def run_tests(program: str, function: str, tests: list[tuple[list, object]], *, timeout: float = 5.0,
-              memory_mb: int = 512, cpu_seconds: int = 5) -> Verdict:
-    """Run `function` of `program` on each test's arguments in a sandboxed child; compare here."""
-    if os.name != "posix":
-        raise RuntimeError("the code sandbox needs Linux or macOS (process limits, process groups); "
-                           "run code tasks there, or under WSL on Windows")
-    workdir = tempfile.mkdtemp(prefix="minigrpo-sandbox-")
-    read_fd, write_fd = os.pipe()
-    received: list[bytes] = []
-    job = json.dumps({"program": program, "function": function, "inputs": [args for args, _ in tests],
-                      "fd": write_fd})
-    env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
-    try:
-        child = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", HARNESS], cwd=workdir, env=env, stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(write_fd,), start_new_session=True,
-            preexec_fn=lambda: _confine(memory_mb, cpu_seconds),
-        )
-        os.close(write_fd)
-        write_fd = -1
-        reader = threading.Thread(target=_read_all, args=(read_fd, received), daemon=True)
-        reader.start()  # read while the child runs, so a large result cannot block it on a full pipe
-        try:
-            child.stdin.write(job.encode())
-            child.stdin.close()
-        except BrokenPipeError:
-            pass
-        try:
-            child.wait(timeout=timeout)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        _kill_group(child)
-        reader.join(timeout=1.0)
-        raw = b"".join(received)
-    finally:
-        for fd in (read_fd, write_fd):
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        shutil.rmtree(workdir, ignore_errors=True)
+              memory_mb: int = 512, cpu_seconds: int = 5, second_layer: bool = True) -> Verdict:
+    """Run `function` of `program` on each test's arguments in a sandboxed child; compare here.
+    (`second_layer=False` leaves out the interpreter's audit hook: the tests use it to show that the
+    kernel alone holds.)"""
+    require = [] if allow_unconfined() else REQUIRED
+    job = {"program": program, "function": function, "inputs": [args for args, _ in tests],
+           "memory_mb": memory_mb, "cpu_seconds": cpu_seconds, "disk_mb": 64, "require": require,
+           "guard": second_layer}
+    raw, timed_out = _run_child(job, timeout)
     if timed_out:
         return Verdict(0, len(tests), "timeout")
     try:
         outputs = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
         return Verdict(0, len(tests), "no results (the program exited or crashed before the tests ran)")
+    if isinstance(outputs, dict) and "missing" in outputs:
+        raise SandboxError(_refusal(outputs["layers"], outputs["missing"]))
     if isinstance(outputs, dict) or not isinstance(outputs, list) or len(outputs) != len(tests):
         detail = outputs.get("error", "") if isinstance(outputs, dict) else "malformed results"
         return Verdict(0, len(tests), f"crashed: {detail}")
@@ -166,19 +102,84 @@ def _read_all(fd: int, into: list[bytes], limit: int = 1 << 20) -> None:
         size += len(chunk)
 
 
-def _confine(memory_mb: int, cpu_seconds: int) -> None:
-    """Runs in the child between fork and exec."""
-    import resource  # POSIX only, like the rest of the confinement
+def _run_child(job: dict, timeout: float) -> tuple[bytes, bool]:
+    """Start the confined child in a fresh folder, hand it the job, collect what it writes to its result
+    pipe; kill its process group at the end. Returns (raw results, timed out)."""
+    if sys.platform != "linux":
+        raise SandboxError("the code sandbox needs Linux (namespaces, Landlock, seccomp); "
+                           "run code tasks there, or under WSL 2 on Windows")
+    workdir = tempfile.mkdtemp(prefix="minigrpo-sandbox-")
+    read_fd, write_fd = os.pipe()
+    received: list[bytes] = []
+    env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-I", "-S", CHILD], cwd=workdir, env=env, stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(write_fd,), start_new_session=True)
+        child_fd, write_fd = write_fd, -1  # the child holds it under the same number; ours closes
+        os.close(child_fd)
+        reader = threading.Thread(target=_read_all, args=(read_fd, received), daemon=True)
+        reader.start()  # read while the child runs, so a large result cannot block it on a full pipe
+        try:
+            child.stdin.write(json.dumps({**job, "fd": child_fd}).encode())
+            child.stdin.close()
+        except BrokenPipeError:
+            pass
+        try:
+            child.wait(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        _kill_group(child)
+        reader.join(timeout=1.0)
+    finally:
+        for fd in (read_fd, write_fd):
+            if fd >= 0:
+                os.close(fd)
+        shutil.rmtree(workdir, ignore_errors=True)
+    return b"".join(received), timed_out
 
-    limits = {resource.RLIMIT_CPU: cpu_seconds, resource.RLIMIT_AS: memory_mb << 20,
-              resource.RLIMIT_FSIZE: 1 << 20, resource.RLIMIT_NPROC: 64, resource.RLIMIT_CORE: 0}
-    for kind, value in limits.items():
-        resource.setrlimit(kind, (value, value))
-    if os.geteuid() == 0:
-        try:  # an empty network namespace: no interfaces, no network at all
-            ctypes.CDLL(None, use_errno=True).unshare(0x40000000)  # CLONE_NEWNET
-        except Exception:
-            pass  # the audit hook still refuses sockets
+
+def allow_unconfined() -> bool:
+    return os.environ.get(ALLOW_ENV) == "1"
+
+
+@functools.cache
+def layers() -> dict:
+    """What the kernel gives the sandbox's child on this machine, as the child itself found it:
+    {"namespaces": "user+pid+net+ipc+uts", "landlock": ABI version or 0, "seccomp": bool, "missing": [...]}."""
+    raw, _ = _run_child({"probe": True, "memory_mb": 512, "cpu_seconds": 5, "disk_mb": 64, "require": REQUIRED}, 10.0)
+    try:
+        found = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {"namespaces": "", "landlock": 0, "seccomp": False, "missing": list(REQUIRED)}
+    return {**found["layers"], "missing": found["missing"]}
+
+
+def describe(found: dict) -> str:
+    """One line: the layers active, and what is missing."""
+    parts = [f"namespaces {found['namespaces']}" if found["namespaces"] else "no namespaces",
+             f"landlock ABI {found['landlock']}" if found["landlock"] else "no landlock",
+             "seccomp" if found["seccomp"] else "no seccomp", found.get("folder") or "folder on disk",
+             "rlimits", "wall-clock kill"]
+    missing = f"; missing: {', '.join(found['missing'])}" if found["missing"] else ""
+    return f"code sandbox: {', '.join(parts)}{missing}"
+
+
+def announce(say) -> None:
+    """At the start of a run that uses the sandbox: say which layers are active; refuse when a required
+    one is missing and the user has not allowed it."""
+    found = layers()
+    say(describe(found))
+    if found["missing"] and not allow_unconfined():
+        raise SandboxError(_refusal(found, found["missing"]))
+
+
+def _refusal(found: dict, missing: list[str]) -> str:
+    return (f"this machine cannot confine model-written code: no {' or '.join(missing)} layer "
+            f"({describe({**found, 'missing': missing})}). Run it on a Linux kernel with user namespaces and "
+            f"Landlock (5.13+), or pass --allow-unconfined-code to run it with only what this machine has")
 
 
 def _kill_group(child: subprocess.Popen) -> None:

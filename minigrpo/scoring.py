@@ -123,6 +123,8 @@ def score(reward_fns: list[Callable], weights: list[float], prompts: list, compl
         except RewardError:
             raise
         except Exception as error:
+            if getattr(error, "fatal", False):  # the machine cannot run this reward (e.g. SandboxError)
+                raise
             if strict:
                 raise RewardError(f"reward function {name} raised {type(error).__name__}: {error}") from error
             values = _one_by_one(fn, kwargs, n, error, result)
@@ -147,7 +149,9 @@ def _one_by_one(fn, kwargs, n, error, result: Scores) -> list:
             values.append(call_reward(fn, single, 1)[0])
         except RewardError:
             raise
-        except Exception:
+        except Exception as error:
+            if getattr(error, "fatal", False):
+                raise
             values.append(0.0)
             failed += 1
     result.errors[name] = result.errors.get(name, 0) + failed

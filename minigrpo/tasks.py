@@ -157,3 +157,15 @@ def _hub_data(name: str) -> Callable[[str, int], list[dict]]:
         return rows
 
     return load
+
+
+def check_sandbox(allow_unconfined: bool, say) -> None:
+    """Where the task's rewards run model-written code (they imported the sandbox): say which layers
+    confine it, and refuse a machine that lacks a required one unless the user allowed it."""
+    if "minigrpo.sandbox" not in sys.modules:
+        return
+    from minigrpo import sandbox
+
+    if allow_unconfined:
+        os.environ[sandbox.ALLOW_ENV] = "1"  # read by the sandbox in every call the rewards make
+    sandbox.announce(say)

@@ -31,7 +31,7 @@ from minigrpo.rollout import PromptPool, collect
 from minigrpo.run import RunFolder
 from minigrpo.scoring import score
 from minigrpo.startup import load_for_training
-from minigrpo.tasks import Task, get_task
+from minigrpo.tasks import Task, check_sandbox, get_task
 
 GAP_WARNING = 0.05  # mean |sampler - trainer| log-prob per token above which the engine is out of sync
 
@@ -41,6 +41,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
     run in cfg.output_dir from its latest complete checkpoint, exactly where it stopped."""
     seed_everything(cfg.seed)
     task = get_task(cfg.task, cfg.rewards)
+    check_sandbox(cfg.allow_unconfined_code, print)
     weights = cfg.reward_weights or task.weights
     if len(weights) != len(task.rewards):
         raise ValueError(f"{len(weights)} reward weights for the {len(task.rewards)} reward functions "

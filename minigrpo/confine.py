@@ -1,0 +1,315 @@
+"""The sandbox's child: confine this process with the kernel, then run one program on the tests' arguments.
+
+Run as `python -I -S confine.py` with a job (JSON) on stdin; it writes its results to the job's file
+descriptor. Standard library only: the child never sees site-packages, where the tests may live.
+
+The layers, applied in this order, each by the kernel, so nothing the program does in Python undoes them:
+  rlimits     cpu seconds, address space, file size, open files, processes; no core dumps
+  namespaces  new user, pid, network, ipc, uts and mount namespaces: the program is pid 1 of its own process
+              tree (when it ends, the kernel kills everything in it), sees no other process, and has no
+              network device at all; its folder is a private tmpfs of a fixed size; it holds no capabilities
+  landlock    the filesystem: read-only access to Python's standard library (not site-packages) and the
+              shared libraries it loads, read-write access to its own folder, nothing else (not /proc,
+              not /etc, not /home); no TCP bind or connect; no signals to, or abstract sockets of, processes
+              outside (each where the kernel's Landlock ABI has it)
+  seccomp     system calls refused with EPERM: new processes (fork, vfork, clone without CLONE_THREAD),
+              exec, sockets, setsid/setpgid (leaving the process group the parent kills), ptrace and
+              process_vm_*, mount and namespace calls, io_uring, bpf, perf, keyrings, modules, file handles,
+              and what Landlock leaves open: chmod, chown, utime and extended attributes
+  audit hook  a second layer inside the interpreter, for readable errors; the kernel layers are the boundary
+Where the kernel lacks a layer, the job's `require` decides: a required layer missing means the program is
+not run at all.
+"""
+
+import ctypes
+import json
+import os
+import resource
+import signal
+import struct
+import sys
+
+LIBC = ctypes.CDLL(None, use_errno=True)
+LIBC.syscall.restype = ctypes.c_long
+
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+CLONE_THREAD = 0x00010000
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 1, 38, 22, 2
+
+
+def limit_resources(memory_mb: int, cpu_seconds: int) -> None:
+    limits = {resource.RLIMIT_CPU: cpu_seconds, resource.RLIMIT_AS: memory_mb << 20,
+              resource.RLIMIT_FSIZE: 1 << 20, resource.RLIMIT_NOFILE: 64, resource.RLIMIT_CORE: 0}
+    for kind, value in limits.items():
+        resource.setrlimit(kind, (value, value))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+    # threads count as processes; 64 more than the user runs now (an absolute 64 would refuse a busy user)
+    resource.setrlimit(resource.RLIMIT_NPROC, (min(hard, 64 + _processes_of_this_user()),) * 2)
+
+
+def _processes_of_this_user() -> int:
+    uid, count = os.getuid(), 0
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                count += os.stat(f"/proc/{name}").st_uid == uid
+            except OSError:
+                pass
+    return count
+
+
+def enter_namespaces() -> str:
+    """New user + pid + net + ipc + uts namespaces; the returned names say which. Needs a fork afterwards:
+    only children enter the new pid namespace."""
+    uid, gid = os.geteuid(), os.getegid()
+    rest = CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNS
+    for flags, names in ((CLONE_NEWUSER | rest, "user+pid+net+ipc+uts"), (rest, "pid+net+ipc+uts")):
+        if LIBC.unshare(flags) == 0:
+            break
+    else:
+        return ""
+    if flags & CLONE_NEWUSER:  # the same ids inside, mapped to ours outside; no other id exists in there
+        for path, text in (("/proc/self/setgroups", "deny"), ("/proc/self/uid_map", f"{uid} {uid} 1"),
+                           ("/proc/self/gid_map", f"{gid} {gid} 1")):
+            with open(path, "w") as f:
+                f.write(text)
+    return names
+
+
+def private_folder(size_mb: int, own_user_namespace: bool) -> str:
+    """A tmpfs of `size_mb` mounted on the working folder, in this mount namespace only: the program's
+    files cannot fill the disk, and they vanish with it."""
+    folder = os.getcwd()
+    LIBC.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
+    MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
+    # a mount namespace of a new user namespace receives its mounts as slaves already: nothing we mount
+    # propagates out; without one (root), make them private first
+    private = own_user_namespace or LIBC.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) == 0
+    if not private or LIBC.mount(
+            b"tmpfs", folder.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, f"size={size_mb}m,mode=700".encode()):
+        return ""
+    os.chdir(folder)  # onto the new mount
+    return f"tmpfs {size_mb} MiB"
+
+
+def drop_capabilities() -> None:
+    """No capabilities, even inside the namespace the process owns."""
+    header = struct.pack("II", 0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    data = ctypes.create_string_buffer(24)  # two zeroed {effective, permitted, inheritable}
+    LIBC.syscall(126 if _arch() == "x86_64" else 91, ctypes.c_char_p(header), data)  # capset
+
+
+# Landlock: https://docs.kernel.org/userspace-api/landlock.html (the syscall numbers are the same on every
+# architecture)
+LANDLOCK_CREATE, LANDLOCK_ADD_RULE, LANDLOCK_RESTRICT = 444, 445, 446
+FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+FS_ALL_V1 = (1 << 13) - 1  # execute .. make_sym
+FS_REFER, FS_TRUNCATE, FS_IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15
+NET_BIND_TCP, NET_CONNECT_TCP = 1 << 0, 1 << 1
+SCOPE_ABSTRACT_UNIX, SCOPE_SIGNAL = 1 << 0, 1 << 1
+
+
+def landlock_abi() -> int:
+    return max(0, LIBC.syscall(LANDLOCK_CREATE, None, 0, 1))  # LANDLOCK_CREATE_RULESET_VERSION
+
+
+def restrict_filesystem(workdir: str) -> int:
+    """Landlock rules: the standard library and shared libraries read-only, `workdir` read-write, nothing
+    else. Returns the ABI version applied (0: none)."""
+    abi = landlock_abi()
+    if abi < 1:
+        return 0
+    handled = FS_ALL_V1 | (FS_REFER if abi >= 2 else 0) | (FS_TRUNCATE if abi >= 3 else 0) | \
+        (FS_IOCTL_DEV if abi >= 5 else 0)
+    net = NET_BIND_TCP | NET_CONNECT_TCP if abi >= 4 else 0
+    scoped = SCOPE_ABSTRACT_UNIX | SCOPE_SIGNAL if abi >= 6 else 0
+    attr = struct.pack("QQQ", handled, net, scoped)[: 8 if abi < 4 else 16 if abi < 6 else 24]
+    ruleset = LIBC.syscall(LANDLOCK_CREATE, ctypes.c_char_p(attr), len(attr), 0)
+    if ruleset < 0:
+        return 0
+    file_rights = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | (FS_TRUNCATE if abi >= 3 else 0)
+    read = FS_EXECUTE | FS_READ_FILE | FS_READ_DIR
+    try:
+        for path in readable_paths():
+            _allow(ruleset, path, read if os.path.isdir(path) else read & file_rights)
+        for path in ("/dev/null", "/dev/urandom"):
+            _allow(ruleset, path, FS_READ_FILE | FS_WRITE_FILE)
+        _allow(ruleset, workdir, handled)
+        if LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) or LIBC.syscall(LANDLOCK_RESTRICT, ruleset, 0):
+            return 0
+    finally:
+        os.close(ruleset)
+    return abi
+
+
+def readable_paths() -> list[str]:
+    """Python's standard library entry by entry (so site-packages is left out even where it lives inside),
+    and the folders of the shared libraries already loaded (file by file where Python lives there too)."""
+    paths = [p for p in sys.path if os.path.isfile(p)]  # the zipped standard library, if any
+    for folder in (p for p in sys.path if os.path.isdir(p)):
+        paths += [os.path.join(folder, name) for name in os.listdir(folder)
+                  if name not in ("site-packages", "dist-packages")]
+    with open("/proc/self/maps") as maps:
+        loaded = {line.split(None, 5)[5].strip() for line in maps if len(line.split(None, 5)) == 6}
+    for folder in {os.path.dirname(p) for p in loaded if ".so" in os.path.basename(p)}:
+        names = os.listdir(folder)
+        if any(name.startswith(("python", "site-packages", "dist-packages")) for name in names):
+            paths += [os.path.join(folder, name) for name in names if ".so" in name]
+        else:
+            paths.append(folder)
+    return paths + ["/etc/ld.so.cache"]
+
+
+def _allow(ruleset: int, path: str, rights: int) -> None:
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        rule = struct.pack("=Qi", rights, fd)  # landlock_path_beneath_attr, packed
+        LIBC.syscall(LANDLOCK_ADD_RULE, ruleset, 1, ctypes.c_char_p(rule), 0)
+    finally:
+        os.close(fd)
+
+
+# seccomp: system calls refused with EPERM (x86_64 numbers; elsewhere this layer is reported missing)
+X86_64 = {
+    "fork": 57, "vfork": 58, "execve": 59, "execveat": 322, "socket": 41, "socketpair": 53, "setsid": 112,
+    "setpgid": 109, "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "mount": 165,
+    "umount2": 166, "pivot_root": 155, "chroot": 161, "unshare": 272, "setns": 308, "open_tree": 428,
+    "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442,
+    "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "bpf": 321,
+    "perf_event_open": 298, "userfaultfd": 323, "keyctl": 250, "add_key": 248, "request_key": 249,
+    "init_module": 175, "finit_module": 313, "delete_module": 176, "kexec_load": 246, "kexec_file_load": 320,
+    "reboot": 169, "swapon": 167, "swapoff": 168, "acct": 163, "quotactl": 179, "syslog": 103, "ioperm": 173,
+    "iopl": 172, "name_to_handle_at": 303, "open_by_handle_at": 304, "pidfd_getfd": 438, "kcmp": 312,
+    "personality": 135, "mknod": 133, "mknodat": 259, "uselib": 134, "sethostname": 170,
+    "setdomainname": 171, "settimeofday": 164, "clock_settime": 227, "adjtimex": 159, "clock_adjtime": 305,
+    # Landlock does not cover a file's mode, owner, times or extended attributes: refuse them all
+    "chmod": 90, "fchmod": 91, "fchmodat": 268, "fchmodat2": 452, "chown": 92, "fchown": 93, "lchown": 94,
+    "fchownat": 260, "utime": 132, "utimes": 235, "futimesat": 261, "utimensat": 280, "setxattr": 188,
+    "lsetxattr": 189, "fsetxattr": 190, "removexattr": 197, "lremovexattr": 198, "fremovexattr": 199,
+    "setxattrat": 463, "removexattrat": 466,
+}
+X86_64_CLONE, X86_64_CLONE3 = 56, 435
+AUDIT_ARCH_X86_64 = 0xC000003E
+RET_KILL, RET_ALLOW = 0x80000000, 0x7FFF0000
+RET_EPERM, RET_ENOSYS = 0x00050000 | 1, 0x00050000 | 38
+LD_W_ABS, JEQ, JSET, JGE, RET = 0x20, 0x15, 0x45, 0x35, 0x06
+
+
+def filter_syscalls() -> bool:
+    """Install the seccomp filter; False where this architecture has no table here."""
+    if _arch() != "x86_64":
+        return False
+    denied = sorted(X86_64.values())
+    # [load arch; other arch -> kill; load nr; x32 -> deny; clone3 -> ENOSYS (threads fall back to clone);
+    #  clone -> check flags; each denied nr -> deny; allow; flags: CLONE_THREAD -> allow else deny; deny]
+    prog = [(LD_W_ABS, 0, 0, 4), (JEQ, 1, 0, AUDIT_ARCH_X86_64), (RET, 0, 0, RET_KILL), (LD_W_ABS, 0, 0, 0),
+            (JGE, 0, 1, 0x40000000), (RET, 0, 0, RET_EPERM), (JEQ, 0, 1, X86_64_CLONE3), (RET, 0, 0, RET_ENOSYS)]
+    n = len(denied)
+    prog.append((JEQ, n + 1, 0, X86_64_CLONE))  # to the flags check, past the list and the allow
+    prog += [(JEQ, n - i + 3, 0, nr) for i, nr in enumerate(denied)]  # to the final deny
+    prog += [(RET, 0, 0, RET_ALLOW), (LD_W_ABS, 0, 0, 16), (JSET, 0, 1, CLONE_THREAD), (RET, 0, 0, RET_ALLOW),
+             (RET, 0, 0, RET_EPERM)]
+    code = b"".join(struct.pack("HBBI", *op) for op in prog)
+    buffer = ctypes.create_string_buffer(code)
+    fprog = struct.pack("HxxxxxxQ", len(prog), ctypes.addressof(buffer))
+    if LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0):
+        return False
+    return LIBC.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.c_char_p(fprog), 0, 0) == 0
+
+
+def _arch() -> str:
+    return os.uname().machine
+
+
+def guard_interpreter(root: str) -> None:
+    """The second layer: readable errors for what the kernel refuses anyway. The program can reach this
+    hook's state, so it is no boundary; the kernel layers are."""
+    blocked = ("socket.", "subprocess.", "os.fork", "os.exec", "os.posix_spawn", "os.spawn", "os.system",
+               "os.kill", "os.killpg", "ctypes.", "pty.")
+
+    def hook(event, args, root=root, blocked=blocked, realpath=os.path.realpath, fsdecode=os.fsdecode, sep=os.sep):
+        # everything it uses is bound here: the program can rebind this module's globals
+        if event.startswith(blocked):
+            raise PermissionError(f"sandbox: {event} is not allowed")
+        if event == "open" and isinstance(args[0], (str, bytes)):
+            mode = args[1] if len(args) > 1 and isinstance(args[1], str) else "r"
+            path = realpath(fsdecode(args[0]))
+            if any(c in mode for c in "wax+") and not (path == root or path.startswith(root + sep)):
+                raise PermissionError(f"sandbox: writing {path} is outside the sandbox")
+
+    sys.addaudithook(hook)
+
+
+def confine(job: dict) -> dict:
+    """Apply every layer this kernel has; the names of those applied, by layer."""
+    limit_resources(job["memory_mb"], job["cpu_seconds"])
+    layers = {"namespaces": enter_namespaces()}
+    if "pid" in layers["namespaces"]:
+        _become_init_of_new_pid_namespace()
+    layers["folder"] = private_folder(job["disk_mb"], "user" in layers["namespaces"]) if layers["namespaces"] else ""
+    layers["landlock"] = restrict_filesystem(os.getcwd())
+    drop_capabilities()
+    layers["seccomp"] = filter_syscalls()
+    return layers
+
+
+def _become_init_of_new_pid_namespace() -> None:
+    """Fork: the child is pid 1 of the new namespace and carries on; this process waits and passes on its
+    status. When pid 1 ends, the kernel kills every process left in the namespace."""
+    child = os.fork()
+    if child == 0:
+        LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the parent killed -> the whole tree goes
+        return
+    _, status = os.waitpid(child, 0)
+    os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+
+
+def missing(layers: dict, require: list[str]) -> list[str]:
+    """The required layers (filesystem, processes, network) this child could not get."""
+    have = {"filesystem": bool(layers["landlock"]),
+            "processes": "pid" in layers["namespaces"] or layers["seccomp"],
+            "network": "net" in layers["namespaces"] or layers["seccomp"]}
+    return [name for name in require if not have[name]]
+
+
+def run(job: dict) -> object:
+    namespace = {"__name__": "solution"}
+    try:
+        exec(compile(job["program"], "solution.py", "exec"), namespace)
+        fn = namespace[job["function"]]
+    except BaseException as error:
+        return {"error": f"{type(error).__name__}: {error}"[:300]}
+    outputs = []
+    for args in job["inputs"]:
+        try:
+            outputs.append({"value": fn(*args)})
+        except BaseException as error:
+            outputs.append({"error": type(error).__name__})
+    return outputs
+
+
+def main() -> None:
+    job = json.loads(sys.stdin.read())
+    results = os.fdopen(int(job["fd"]), "w")
+    os.close(0)
+    layers = confine(job)
+    lacking = missing(layers, job["require"])
+    if job.get("probe") or lacking:
+        results.write(json.dumps({"layers": layers, "missing": lacking}))
+        results.close()
+        os._exit(0)
+    if job.get("guard", True):
+        guard_interpreter(os.path.realpath(os.getcwd()))
+    dumps, leave = json.dumps, os._exit  # the program may rebind this module's globals
+    outputs = run(job)
+    results.write(dumps(outputs, default=repr))
+    results.close()
+    leave(0)
+
+
+if __name__ == "__main__":
+    main()
