@@ -14,7 +14,9 @@ import csv
 import importlib
 import importlib.util
 import json
+import os
 import random
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable

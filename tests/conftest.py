@@ -11,3 +11,13 @@ def tiny_model_path() -> str:
     from minigrpo.model import OFFLINE_HUB_ID, resolve_weights
 
     return resolve_weights(OFFLINE_HUB_ID)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say which sandbox layers the sandbox tests ran with, and as whom (shown even with -q)."""
+    if "minigrpo.sandbox" in __import__("sys").modules:
+        from minigrpo.sandbox import describe, layers
+
+        terminalreporter.write_line(f"{describe(layers())} (uid {os.geteuid()})")
+    for line in getattr(terminalreporter.config, "sandbox_layers_as_nobody", []):
+        terminalreporter.write_line(f"{line} (as user nobody)")

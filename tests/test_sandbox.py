@@ -324,7 +324,7 @@ def _python_for_nobody() -> str | None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the suite already runs as an unprivileged user")
-def test_as_an_unprivileged_user(nobody_folder, listener):
+def test_as_an_unprivileged_user(nobody_folder, listener, request):
     """The same escapes, with the kernel alone, as user nobody (the suite runs as root in CI)."""
     python = _python_for_nobody() if shutil.which("setpriv") else None
     if python is None:
@@ -356,8 +356,28 @@ def test_as_an_unprivileged_user(nobody_folder, listener):
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(run.stdout)
     assert alive and not listener[1], "a process was killed or the server reached"
-    print(f"as nobody: {report['layers']}")
+    request.config.sandbox_layers_as_nobody = [report["layers"]]
     escaped = {n: r for n, r in report["results"].items() if r != "ok"}
     assert not escaped, escaped
     assert [p.name for p in out.iterdir()] == ["canary.txt"] and (out / "canary.txt").read_text() == "canary"
     assert stat.S_IMODE((out / "canary.txt").stat().st_mode) == 0o666
+
+
+def test_a_run_of_the_code_task_says_its_layers_and_refuses_without_them(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from minigrpo.cli import app
+
+    monkeypatch.delenv(sandbox.ALLOW_ENV, raising=False)
+    lacking = {"namespaces": "", "landlock": 0, "seccomp": True, "folder": "", "missing": ["filesystem"]}
+    monkeypatch.setattr(sandbox, "layers", lambda: lacking)
+    result = CliRunner().invoke(app, ["train", "--task", "code", "--output-dir", str(tmp_path / "run")])
+    assert result.exit_code == 1 and "no filesystem layer" in result.output, result.output
+    assert "--allow-unconfined-code" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+    said = []
+    from minigrpo.tasks import check_sandbox
+
+    check_sandbox(True, said.append)  # allowed: it says what there is and goes on
+    assert said == [describe(lacking)] and os.environ[sandbox.ALLOW_ENV] == "1"
+    monkeypatch.delenv(sandbox.ALLOW_ENV)
