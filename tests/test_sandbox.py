@@ -22,7 +22,7 @@ import pytest
 
 from minigrpo import sandbox
 from minigrpo.confine import missing
-from minigrpo.sandbox import SandboxError, describe, layers, run_tests
+from minigrpo.sandbox import describe, layers, run_tests
 
 TESTS = [([2, 3], 5), ([10, -4], 6), ([0, 0], 0)]
 GOOD = "def add(a, b):\n    return a + b\n"
