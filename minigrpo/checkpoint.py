@@ -54,13 +54,30 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, prompts, generat
 
 def latest(run_dir: Path) -> Path | None:
     """The newest complete checkpoint of a run; half-written ones are removed."""
+    found = candidates(run_dir)
+    return found[0] if found else None
+
+
+def candidates(run_dir: Path) -> list[Path]:
+    """A run's checkpoints, newest first (half-written ones are removed): resume tries them in turn, as a
+    file damaged after its save (a full disk, a copy cut short) shows only when it is read."""
     root = Path(run_dir) / "checkpoints"
     if not root.exists():
-        return None
+        return []
     for partial in root.glob(".partial-*"):
         shutil.rmtree(partial, ignore_errors=True)
-    found = sorted(p for p in root.glob(f"{PREFIX}*") if (p / "state.pt").exists())
-    return found[-1] if found else None
+    return sorted((p for p in root.glob(f"{PREFIX}*") if (p / "state.pt").exists()), reverse=True)
+
+
+def load_newest(run_dir: Path, model, optimizer, scheduler, prompts, generator, scaler=None, say=print) -> tuple[Path, int]:
+    """Restore the newest checkpoint that reads whole, saying which were skipped and why."""
+    for checkpoint in candidates(run_dir):
+        try:
+            return checkpoint, load(checkpoint, model, optimizer, scheduler, prompts, generator, scaler)
+        except Exception as error:  # a truncated or corrupted file: torch, safetensors and pickle raise many kinds
+            say(f"[yellow]warning[/]: checkpoint {checkpoint} cannot be read ({type(error).__name__}: "
+                f"{str(error)[:120]}); trying the one before it")
+    raise FileNotFoundError(f"{run_dir} has no complete checkpoint to resume from")
 
 
 def load(checkpoint: Path, model, optimizer, scheduler, prompts, generator, scaler=None) -> int:
@@ -90,14 +107,28 @@ def load(checkpoint: Path, model, optimizer, scheduler, prompts, generator, scal
     return state["step"]
 
 
-def truncate_logs(run_dir: Path, step: int) -> None:
-    """Drop log lines of steps after `step`: they belong to the part of the run that is being redone."""
+def truncate_logs(run_dir: Path, step: int, say=print) -> None:
+    """Drop log lines of steps after `step`: they belong to the part of the run that is being redone. A
+    half-written last line (the process was killed mid-write) is dropped with a warning; a bad line
+    elsewhere is an error that names it."""
     for name in ("metrics.jsonl", "samples.jsonl", "eval.jsonl"):
         path = Path(run_dir) / name
-        if path.exists():
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and (json.loads(line).get("step") or 0) <= step]
-            path.write_text("".join(line + "\n" for line in kept))
+        if not path.exists():
+            continue
+        lines = [line for line in path.read_text(errors="replace").split("\n") if line.strip()]
+        kept = []
+        for number, line in enumerate(lines, start=1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                if number < len(lines):
+                    raise ValueError(f"{path}, line {number}: not valid JSON; the log is damaged (remove that "
+                                     f"line to resume)") from None
+                say(f"[yellow]warning[/]: {path}: dropped a half-written last line")
+                continue
+            if (record.get("step") or 0) <= step:
+                kept.append(line)
+        path.write_text("".join(line + "\n" for line in kept))
 
 
 def _fsync_tree(folder: Path) -> None:

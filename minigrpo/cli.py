@@ -13,18 +13,21 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="GRPO with a 4-bit base and LoRA adapters, on one consumer GPU (or a laptop cpu).")
 
 PRESET_HELP = "[default: from the model preset]"
+TIMEOUT_HELP = "Seconds a reward function may take per completion before it scores 0 (0: no limit)."
 UNCONFINED_HELP = ("Run model-written code (the code task) even where the kernel lacks a sandbox layer "
                    "(Landlock, namespaces, seccomp); `minigrpo doctor` says which this machine has.")
 
 
 @app.command()
 def train(
+    ctx: typer.Context,
     model: str = typer.Option("smollm2-135m", help="Preset name (`minigrpo models`), hub id, or local folder."),
     task: str = typer.Option("addition", help="Built-in task, task .py file, data file, or hub dataset."),
     reward: list[str] = typer.Option([], help="Extra reward function file.py:function (repeat)."),
     reward_weight: list[float] = typer.Option([], help="One weight per reward function, the task's first (repeat)."),
     strict_rewards: bool = typer.Option(False, help="Stop when a reward function raises (default: score 0)."),
     allow_unconfined_code: bool = typer.Option(False, help=UNCONFINED_HELP),
+    reward_timeout: float = typer.Option(10.0, help=TIMEOUT_HELP),
     steps: int = typer.Option(None, help="Optimizer steps [default: 30; with --resume, the run's own]."),
     resume: str = typer.Option(None, help="Continue this run folder from its latest checkpoint (other flags "
                                           "are taken from its config.json, but --steps may extend it)."),
@@ -34,6 +37,8 @@ def train(
     num_generations: int = typer.Option(None, "--num-generations", "-G", help=f"Completions per prompt. {PRESET_HELP}"),
     prompts_per_step: int = typer.Option(None, help=f"Prompts per step. {PRESET_HELP}"),
     max_new_tokens: int = typer.Option(None, help=f"Completion length limit. {PRESET_HELP}"),
+    max_prompt_tokens: int = typer.Option(512, help="Prompt length limit; every prompt of the data is checked "
+                                                    "against it before the model loads."),
     learning_rate: float = typer.Option(None, help=f"Adapter learning rate. {PRESET_HELP}"),
     beta: float = typer.Option(0.0, help="KL coefficient; 0 skips the reference pass."),
     loss: str = typer.Option("dapo", help="grpo | dr_grpo | dapo | bnpo: a preset of the two knobs below."),
@@ -78,6 +83,12 @@ def train(
         config = Path(resume) / "config.json"
         if not config.exists():
             raise typer.BadParameter(f"{resume} is not a run folder (it has no config.json)")
+        fixed = [f"--{name.replace('_', '-')}" for name in ctx.params if name not in ("resume", "steps")
+                 and getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"]
+        if fixed:
+            raise typer.BadParameter(f"--resume continues {resume} with the settings in its config.json; "
+                                     f"{', '.join(fixed)} cannot change (only --steps can). Start a new run "
+                                     f"to change them")
         cfg = TrainConfig.load(config)
         if steps is not None:
             cfg.steps = steps
@@ -86,9 +97,10 @@ def train(
         try:
             cfg = TrainConfig(
                 model=model, task=task, rewards=reward, reward_weights=reward_weight or None,
-                strict_rewards=strict_rewards, allow_unconfined_code=allow_unconfined_code, steps=30 if steps is None else steps, output_dir=output_dir,
+                strict_rewards=strict_rewards, allow_unconfined_code=allow_unconfined_code,
+                reward_timeout=reward_timeout, steps=30 if steps is None else steps, output_dir=output_dir,
                 save_every=save_every, keep=keep, num_generations=num_generations, prompts_per_step=prompts_per_step,
-                max_new_tokens=max_new_tokens, learning_rate=learning_rate, beta=beta, loss=loss,
+                max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens, learning_rate=learning_rate, beta=beta, loss=loss,
                 scale_rewards=scale_rewards, loss_aggregation=loss_aggregation, epsilon=epsilon,
                 epsilon_high=epsilon_high, num_iterations=num_iterations, mask_truncated=mask_truncated,
                 filter_groups=filter_groups, max_filter_rounds=max_filter_rounds, retire_solved=retire_solved,
@@ -130,7 +142,7 @@ def eval_command(
     from minigrpo.model import seed_everything
     
     t = get_task(task, reward)
-    check_sandbox(allow_unconfined_code, Console().print)
+    check_sandbox(t, allow_unconfined_code, Console().print)
     # the run's own seed by default: it decides the held-out split, which must be the one training never saw
     policy, tokenizer, cfg = load_trained(adapter, model, max_new_tokens=max_new_tokens, eval_prompts=prompts,
                                           eval_samples=samples, seed=seed)
@@ -190,7 +202,7 @@ def check_reward(
     
     console = Console()
     t = get_task(task, reward)
-    check_sandbox(allow_unconfined_code, console.print)
+    check_sandbox(t, allow_unconfined_code, console.print)
     rows = t.make_data("train", seed)[:prompts]
     for problem in check_examples(t):
         console.print(f"[red]worked example[/]: {problem}", highlight=False)

@@ -8,7 +8,9 @@ gives settings sized for a 16 GB GPU, and any flag still wins over the preset.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,6 +115,7 @@ class TrainConfig:
     rewards: list[str] = field(default_factory=list)  # extra reward functions, "file.py:function"
     reward_weights: list[float] | None = None  # one weight per reward function; None: the task's own
     strict_rewards: bool = False  # a reward function that raises stops the run (default: scores 0, counted)
+    reward_timeout: float = 10.0  # seconds a reward function may take per completion (0: no limit)
     allow_unconfined_code: bool = False  # run model-written code where the kernel cannot fully confine it
 
     preset: dict = field(default_factory=dict, repr=False)  # the preset values used, kept for the record
@@ -142,6 +145,16 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Refuse impossible settings with one clear message, before anything loads."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            for v in value if isinstance(value, list) else [value]:
+                if isinstance(v, float) and not math.isfinite(v):
+                    flag = "--reward-weight" if f.name == "reward_weights" else f"--{f.name.replace('_', '-')}"
+                    raise ValueError(f"bad config: {f.name} ({flag}) must be a finite number, not {v}")
+        if self.model not in PRESETS and "/" not in self.model and not Path(self.model).exists():
+            close = difflib.get_close_matches(self.model, PRESETS, n=1, cutoff=0.5)
+            raise ValueError(f"unknown model {self.model!r}: " + (f"did you mean {close[0]}? " if close else "")
+                             + "`minigrpo models` lists the presets; a hub id is org/name, a local model a folder")
         checks = [
             (self.steps >= 1, "steps must be at least 1"),
             (self.num_generations >= 2, "num_generations (G) must be at least 2: "
@@ -176,6 +189,7 @@ class TrainConfig:
              "eval_every must be >= 0, eval_prompts and eval_samples at least 1"),
             (self.logprob_chunk_size >= 1, "logprob_chunk_size must be at least 1"),
             (self.lora_rank >= 1, "lora_rank must be at least 1"),
+            (self.reward_timeout >= 0, "reward_timeout must be >= 0 (0: no limit)"),
         ]
         for ok, message in checks:
             if not ok:

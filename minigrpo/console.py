@@ -46,7 +46,8 @@ class Display:
                    f"({r['prompts']} held-out prompts x {r['samples_per_prompt']} samples)", highlight=False)
 
     def sample(self, step: int, sample: dict) -> None:
-        parts = "  ".join(f"{k} {v:.2f}" for k, v in sample["reward_parts"].items())
+        # None: the reward does not apply to this sample
+        parts = "  ".join(f"{k} {'n/a' if v is None else f'{v:.2f}'}" for k, v in sample["reward_parts"].items())
         body = Text()
         body.append("prompt: ", style="bold")
         body.append(sample["prompt"] + "\n")

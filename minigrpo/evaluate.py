@@ -60,7 +60,7 @@ class Evaluator:
         texts = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
         rows = [self.rows[i // sampling.n] for i in range(len(texts))]
         return score(self.task.rewards, self.weights, [r["prompt"] for r in rows], texts, out.completion_ids,
-                     rows).totals
+                     rows, timeout=self.cfg.reward_timeout).totals
 
 
 def stderr(values: list[float]) -> float:

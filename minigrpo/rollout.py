@@ -78,7 +78,8 @@ def rollout(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, weigh
     if isinstance(rows[0]["prompt"], list):  # chat-format data gets chat-format completions, as in TRL
         completions = [[{"role": "assistant", "content": c}] for c in completions]
     scores = score(task.rewards, weights, [rows[i // G]["prompt"] for i in range(len(completions))], completions,
-                   out.completion_ids, [rows[i // G] for i in range(len(completions))], strict=cfg.strict_rewards)
+                   out.completion_ids, [rows[i // G] for i in range(len(completions))], strict=cfg.strict_rewards,
+                   timeout=cfg.reward_timeout)
     return Groups(rows, prompt_ids, out.completion_ids, completions, out.truncated, out.sampler_logps, scores,
                   t1 - t0, time.perf_counter() - t1)
 

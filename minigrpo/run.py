@@ -10,10 +10,12 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 from minigrpo.config import TrainConfig
+from minigrpo.tasks import DATA_SUFFIXES
 
 
 class RunFolder:
@@ -22,16 +24,26 @@ class RunFolder:
         self.reporters = [_reporter(name, self.path) for name in report_to]
 
     @classmethod
-    def create(cls, cfg: TrainConfig) -> "RunFolder":
+    def claim(cls, cfg: TrainConfig) -> "RunFolder":
+        """The new run's folder, checked but not yet written: it must not exist, or be empty, and be
+        writable. (A folder with anything in it is someone's: nothing is written there.)"""
         if cfg.output_dir is None:
             name = Path(cfg.model.rstrip("/")).name
-            cfg.output_dir = str(Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}-{cfg.task}")
+            task = Path(cfg.task).stem if cfg.task.endswith((".py", *DATA_SUFFIXES)) else cfg.task.replace("/", "-")
+            cfg.output_dir = str(Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}-{task}")
         path = Path(cfg.output_dir)
-        if (path / "metrics.jsonl").exists():
-            raise FileExistsError(f"{path} already holds a run; pick another --output-dir")
-        path.mkdir(parents=True, exist_ok=True)
-        cfg.save(path / "config.json")
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"--output-dir {path} is a file; give a folder that does not exist yet")
+        if path.is_dir() and any(path.iterdir()):
+            held = "already holds a run: continue it with --resume" if (path / "config.json").exists() else \
+                "is not empty"
+            raise ValueError(f"--output-dir {path} {held}; or pick a new folder (nothing was written)")
+        writable_or_fail(path, "--output-dir")
         return cls(path, cfg.report_to)
+
+    def start(self, cfg: TrainConfig) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        cfg.save(self.path / "config.json")
 
     def log(self, metrics: dict, samples: list[dict]) -> None:
         with open(self.path / "metrics.jsonl", "a") as f:
@@ -46,6 +58,15 @@ class RunFolder:
         out = self.path / "adapter"
         model.save_pretrained(out)
         return out
+
+
+def writable_or_fail(path: Path, flag: str) -> None:
+    """Fail now, naming the flag, when `path` (or the folder it would be made in) cannot be written."""
+    existing = next(p for p in [path, *path.absolute().parents] if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {path}: {existing} is a file, so no folder can be made there")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: {existing} is not writable; pick a folder you can write to")
 
 
 def _reporter(name: str, path: Path):

@@ -111,6 +111,7 @@ def _run_child(job: dict, timeout: float) -> tuple[bytes, bool]:
     workdir = tempfile.mkdtemp(prefix="minigrpo-sandbox-")
     read_fd, write_fd = os.pipe()
     received: list[bytes] = []
+    child = None
     env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
            "PYTHONDONTWRITEBYTECODE": "1"}
     try:
@@ -132,8 +133,11 @@ def _run_child(job: dict, timeout: float) -> tuple[bytes, bool]:
         except subprocess.TimeoutExpired:
             timed_out = True
         _kill_group(child)
+        child = None  # reaped: its pid may now name another process
         reader.join(timeout=1.0)
-    finally:
+    finally:  # also when the caller is interrupted mid-wait (a reward's time limit, Ctrl-C)
+        if child is not None:
+            _kill_group(child)
         for fd in (read_fd, write_fd):
             if fd >= 0:
                 os.close(fd)

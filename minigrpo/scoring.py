@@ -22,14 +22,20 @@ into that contract (a dict return gives parts too).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import functools
 import inspect
 import math
+import signal
+import sys
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
 RESERVED = {"prompts", "completions", "completion_ids"}
+SLOW_NOTICE_S = 10.0  # a reward call running this long is announced, so a slow reward is not a silent hang
 
 
 class RewardError(RuntimeError):
@@ -77,12 +83,39 @@ class Scores:
     errors: dict[str, int] = field(default_factory=dict)  # function -> samples that raised and scored 0
 
 
-def call_reward(fn: Callable, kwargs: dict, n: int) -> list:
-    """One call under the contract; raises RewardError for the wrong length or a value that is no number."""
-    values = fn(**kwargs)
-    if inspect.isawaitable(values):
-        values = asyncio.run(_await(values))
+class RewardCrash(Exception):
+    """A reward call that did not return: it raised, exited, or ran past its time. Scored like raising."""
+
+
+class RewardTimeout(BaseException):
+    """Raised inside a reward call that ran past its time (a BaseException, so `except Exception` in the
+    reward's own code does not swallow it)."""
+
+
+def call_reward(fn: Callable, kwargs: dict, n: int, timeout: float | None = None) -> list:
+    """One call under the contract, on copies of its arguments (a reward that edits them in place changes
+    nothing outside), within `timeout` seconds per completion. Raises RewardCrash when the call did not
+    return (SystemExit and a KeyboardInterrupt raised by the reward's code included), RewardError for the
+    wrong length or a value that is no finite real number. Real numbers of any type (numpy's, bools) are
+    taken as floats, as TRL does."""
     name = reward_name(fn)
+    try:
+        with _time_limit(timeout * max(n, 1) if timeout else None, name), _real_interrupts() as interrupted:
+            values = fn(**copy.deepcopy(kwargs))
+            if inspect.isawaitable(values):
+                values = asyncio.run(_await(values))
+    except RewardTimeout as error:
+        raise RewardCrash(str(error)) from None
+    except SystemExit as error:
+        raise RewardCrash(f"called sys.exit({error.code!r})") from None
+    except KeyboardInterrupt:
+        if interrupted:
+            raise  # a real Ctrl-C
+        raise RewardCrash("raised KeyboardInterrupt") from None
+    except Exception as error:
+        if getattr(error, "fatal", False):  # the machine cannot run this reward (e.g. SandboxError)
+            raise
+        raise RewardCrash(f"raised {type(error).__name__}: {error}") from error
     if values is None or isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__"):
         raise RewardError(f"reward function {name} returned {type(values).__name__}; "
                           f"it must return a list with one value per completion")
@@ -90,14 +123,72 @@ def call_reward(fn: Callable, kwargs: dict, n: int) -> list:
     if len(values) != n:
         raise RewardError(f"reward function {name} returned {len(values)} values for {n} completions; "
                           f"it must return one per completion")
-    for i, value in enumerate(values):
-        for v in (value.values() if isinstance(value, dict) else [value]):
-            if v is None and not isinstance(value, dict):
-                continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise RewardError(f"reward function {name} returned {value!r} for completion {i}; "
-                                  f"each value must be a finite number, a dict of them, or None")
-    return values
+    return [_checked(name, i, value) for i, value in enumerate(values)]
+
+
+def _checked(name: str, i: int, value):
+    """A value as a float (a dict of them, or None), or a RewardError that says what it was."""
+    if value is None:
+        return None
+    parts = value if isinstance(value, dict) else {None: value}
+    out = {}
+    for key, v in parts.items():
+        number = None if isinstance(v, (str, bytes)) or not hasattr(v, "__float__") else float(v)
+        if number is None or not math.isfinite(number):
+            raise RewardError(f"reward function {name} returned {value!r} for completion {i}; "
+                              f"each value must be a finite number, a dict of them, or None")
+        out[key] = number
+    return out if isinstance(value, dict) else out[None]
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float | None, name: str):
+    """Interrupt the call after `seconds` (SIGALRM: main thread, POSIX), and say so when it takes long."""
+    use_alarm = seconds and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    if not use_alarm:
+        yield
+        return
+
+    def expire(signum, frame):
+        raise RewardTimeout(f"ran past its time limit ({seconds:g} s; --reward-timeout sets it per completion)")
+
+    notice = threading.Timer(SLOW_NOTICE_S, lambda: print(
+        f"scoring: reward function {name} is still running after {SLOW_NOTICE_S:g} s (limit {seconds:g} s)...",
+        file=sys.stderr, flush=True))
+    notice.daemon = True
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    notice.start()
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        notice.cancel()
+
+
+@contextlib.contextmanager
+def _real_interrupts():
+    """Records a real SIGINT during the call (then passes it on), so that a KeyboardInterrupt the reward's
+    code raised itself can be told from the user's Ctrl-C."""
+    seen: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield seen
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def record(signum, frame):
+        seen.append(signum)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, record)
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 async def _await(awaitable):
@@ -105,56 +196,53 @@ async def _await(awaitable):
 
 
 def score(reward_fns: list[Callable], weights: list[float], prompts: list, completions: list,
-          completion_ids: list[list[int]], rows: list[dict], strict: bool = False) -> Scores:
-    """Every reward function on one batch. A function that raises scores 0 on the samples it fails on
-    (with a warning and a counter), unless `strict`; a broken contract is always a RewardError."""
+          completion_ids: list[list[int]], rows: list[dict], strict: bool = False,
+          timeout: float | None = None) -> Scores:
+    """Every reward function on one batch. A function that raises (or exits, or runs past `timeout`
+    seconds per completion) scores 0 on the samples it fails on, with a warning and a counter, unless
+    `strict`; a broken contract is always a RewardError."""
     columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
     n = len(completions)
     result = Scores(totals=[0.0] * n, values={})
     for fn, weight in zip(reward_fns, weights):
         name = reward_name(fn)
         missing = [c for c in required_columns(fn) if c not in columns]
+        if "completion" in missing:
+            raise RewardError(f"reward function {name} takes one `completion`, but the contract passes lists "
+                              f"(`completions`): decorate it with @per_sample (from minigrpo import per_sample)")
         if missing:
             raise RewardError(f"reward function {name} needs the column(s) {missing}, which the data does not "
                               f"have; it has: {sorted(columns) or 'only prompt'}")
         kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
         try:
-            values = call_reward(fn, kwargs, n)
-        except RewardError:
-            raise
-        except Exception as error:
-            if getattr(error, "fatal", False):  # the machine cannot run this reward (e.g. SandboxError)
-                raise
+            values = call_reward(fn, kwargs, n, timeout)
+        except RewardCrash as error:
             if strict:
-                raise RewardError(f"reward function {name} raised {type(error).__name__}: {error}") from error
-            values = _one_by_one(fn, kwargs, n, error, result)
+                raise RewardError(f"reward function {name} {error}") from None
+            values = _one_by_one(fn, kwargs, n, error, result, timeout)
         result.values[name] = []
         for i, value in enumerate(values):
             if isinstance(value, dict):
                 for part, v in value.items():
-                    result.parts.setdefault(f"{name}/{part}", [0.0] * n)[i] = float(v)
+                    result.parts.setdefault(f"{name}/{part}", [0.0] * n)[i] = v
                 value = sum(value.values())
-            result.values[name].append(None if value is None else float(value))
+            result.values[name].append(value)
             result.totals[i] += weight * (value or 0.0)
     return result
 
 
-def _one_by_one(fn, kwargs, n, error, result: Scores) -> list:
-    """After a batch call raised: score each completion alone, so only the ones that fail get 0."""
+def _one_by_one(fn, kwargs, n, error, result: Scores, timeout: float | None) -> list:
+    """After a batch call failed: score each completion alone, so only the ones that fail get 0."""
     name = reward_name(fn)
     values, failed = [], 0
     for i in range(n):
         single = {k: [v[i]] if isinstance(v, list) and len(v) == n else v for k, v in kwargs.items()}
         try:
-            values.append(call_reward(fn, single, 1)[0])
-        except RewardError:
-            raise
-        except Exception as error:
-            if getattr(error, "fatal", False):
-                raise
+            values.append(call_reward(fn, single, 1, timeout)[0])
+        except RewardCrash:
             values.append(0.0)
             failed += 1
     result.errors[name] = result.errors.get(name, 0) + failed
-    warnings.warn(f"reward function {name} raised {type(error).__name__}: {error}; {failed} of {n} completions "
-                  f"scored 0 (pass strict_rewards to stop instead)", stacklevel=3)
+    warnings.warn(f"reward function {name} {error}; {failed} of {n} completions scored 0 "
+                  f"(pass strict_rewards to stop instead)", stacklevel=3)
     return values

@@ -19,6 +19,8 @@ from minigrpo.generation import Generator, HFGenerator, Sampling
 from minigrpo.hardware import Gpu, compute_dtype, this_gpu, vllm_available
 from minigrpo.model import load_policy, load_tokenizer, pad_batch, resolve_weights, token_logprobs
 from minigrpo.plan import Plan, Settings, make_plan
+from minigrpo.rollout import render_prompt
+from minigrpo.tasks import Task, rows_and_places
 from minigrpo.vllm_engine import VLLMGenerator
 
 
@@ -48,6 +50,27 @@ def plan_run(cfg: TrainConfig, weights: str, gpu: Gpu | None, say, dtype: str | 
                          f"(estimated {plan.peak_gb:.1f} GB): {'; '.join(plan.advice)}. "
                          f"`minigrpo plan` shows the arithmetic.")
     return plan
+
+
+def check_lengths(cfg: TrainConfig, task: Task) -> None:
+    """Before the model loads: the prompt and completion budgets fit the model's context, and every prompt
+    of the task's data fits the prompt budget (one tokenizer pass), naming the first that does not."""
+    from transformers import AutoConfig
+
+    weights = resolve_weights(cfg.hub_id)
+    context = getattr(AutoConfig.from_pretrained(weights), "max_position_embeddings", None)
+    if context and cfg.max_prompt_tokens + cfg.max_new_tokens > context:
+        raise ValueError(f"--max-prompt-tokens {cfg.max_prompt_tokens} + --max-new-tokens {cfg.max_new_tokens} is "
+                         f"more than {cfg.model}'s context of {context} tokens: lower them to at most {context} "
+                         f"together")
+    tokenizer = load_tokenizer(weights)
+    rows, places, source = rows_and_places(task, cfg.seed)
+    texts = [render_prompt(tokenizer, row["prompt"]) for row in rows]
+    for ids, place in zip(tokenizer(texts, add_special_tokens=False).input_ids, places):
+        if len(ids) > cfg.max_prompt_tokens:
+            raise ValueError(f"{source}, {place}: the prompt is {len(ids)} tokens, more than --max-prompt-tokens "
+                             f"{cfg.max_prompt_tokens}: raise it (up to {context or 'the context'} minus "
+                             f"--max-new-tokens), or shorten the prompt")
 
 
 def load_for_training(cfg: TrainConfig, say=print) -> Loaded:

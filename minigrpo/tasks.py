@@ -11,12 +11,15 @@ and where one comes from: a built-in name, a task file, a data file, or a hub da
 from __future__ import annotations
 
 import csv
+import functools
 import importlib
 import importlib.util
+import io
 import json
 import os
 import random
-import sys
+import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -34,6 +37,8 @@ class Task:
     rewards: list[Callable]  # the reward contract of minigrpo.scoring
     weights: list[float] | None = None  # one per reward; None: all 1.0
     examples: list[dict] = field(default_factory=list)  # rows plus "completion" (and "expected" total)
+    source: Path | None = None  # the data file, for messages that name a line of it
+    runs_code: bool = False  # its rewards run model-written code (minigrpo.sandbox): checked at the start
 
     @property
     def reward_names(self) -> list[str]:
@@ -48,11 +53,13 @@ def get_task(spec: str, extra_rewards: list[str] = (), seed: int = 0) -> Task:
         task = TASKS[spec]
     elif spec.endswith(".py"):
         task = _load_attr(Path(spec), "TASK")
+        if not isinstance(task, Task):
+            raise ValueError(f"{spec}: TASK must be a minigrpo.tasks.Task, not {type(task).__name__}")
     elif spec.endswith(DATA_SUFFIXES):
         path = Path(spec)
         if not path.exists():
             raise FileNotFoundError(f"no data file {spec}")
-        task = Task(path.stem, f"rows of {path.name}", _file_data(path), rewards=[])
+        task = Task(path.stem, f"rows of {path.name}", _file_data(path), rewards=[], source=path)
     elif "/" in spec and not Path(spec).exists():
         task = Task(spec, f"hub dataset {spec}", _hub_data(spec), rewards=[])
     else:
@@ -62,7 +69,39 @@ def get_task(spec: str, extra_rewards: list[str] = (), seed: int = 0) -> Task:
     if not rewards:
         raise ValueError(f"task {task.name} has no reward function; add one with --reward file.py:function")
     weights = (task.weights or [1.0] * len(task.rewards)) + [1.0] * len(extra_rewards)
-    return Task(task.name, task.description, task.make_data, rewards, weights, task.examples)
+    return Task(task.name, task.description, task.make_data, distinct_names(rewards), weights, task.examples,
+                task.source, task.runs_code)
+
+
+def distinct_names(rewards: list[Callable]) -> list[Callable]:
+    """Reward functions with the same name (two files' `reward`) would be logged as one: the second is
+    renamed `name_2`, and so on, with a warning."""
+    seen: dict[str, int] = {}
+    out = []
+    for fn in rewards:
+        name = reward_name(fn)
+        seen[name] = seen.get(name, 0) + 1
+        if seen[name] > 1:
+            new = f"{name}_{seen[name]}"
+            warnings.warn(f"two reward functions are named {name}; the one from {_origin(fn)} is logged as {new}",
+                          stacklevel=3)
+            fn = _renamed(fn, new)
+        out.append(fn)
+    return out
+
+
+def _renamed(fn: Callable, name: str) -> Callable:
+    @functools.wraps(fn)
+    def same(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    same.__name__ = name
+    return same
+
+
+def _origin(fn: Callable) -> str:
+    code = getattr(getattr(fn, "per_sample", fn), "__code__", None)
+    return f"{code.co_filename}:{code.co_firstlineno}" if code else repr(fn)
 
 
 def load_reward(spec: str) -> Callable:
@@ -71,47 +110,71 @@ def load_reward(spec: str) -> Callable:
     if not sep or not name:
         raise ValueError(f"--reward {spec!r} must be file.py:function or module:function")
     if where.endswith(".py"):
-        return _load_attr(Path(where), name)
+        return _callable(_load_attr(Path(where), name), spec)
     try:
         module = importlib.import_module(where)
     except ImportError as error:
         raise ValueError(f"--reward {spec!r}: cannot import {where}: {error}") from error
     if not hasattr(module, name):
         raise ValueError(f"--reward {spec!r}: {where} has no {name}")
-    return getattr(module, name)
+    return _callable(getattr(module, name), spec)
+
+
+def _callable(fn, spec: str) -> Callable:
+    if not callable(fn):
+        raise ValueError(f"--reward {spec}: {type(fn).__name__} is not a function; a reward is "
+                         f"fn(prompts, completions, **columns) -> list of floats")
+    return fn
 
 
 def _load_attr(path: Path, name: str):
-    if not path.exists():
-        raise FileNotFoundError(f"no such file: {path}")
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file: {path}" if not path.exists() else f"{path} is not a file")
     spec = importlib.util.spec_from_file_location(f"minigrpo_user_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as error:
+        raise ValueError(f"{error.filename}, line {error.lineno}: {error.msg} (a syntax error in your file)") from None
+    except Exception as error:  # the user's own frame, not ours: where in their file the import failed
+        frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename != __file__
+                  and "importlib" not in f.filename]
+        where = f"{frames[-1].filename}, line {frames[-1].lineno}" if frames else str(path)
+        raise ValueError(f"{where}: {type(error).__name__}: {error} (while loading {path})") from None
     if not hasattr(module, name):
         raise ValueError(f"{path} defines no {name}")
     return getattr(module, name)
 
 
 def read_rows(path: Path) -> list[dict]:
-    """Rows of a data file; a malformed line or a row without `prompt` is an error that names it."""
+    """Rows of a data file; a malformed line or a row without a usable `prompt` is an error that names it."""
+    return read_rows_and_places(path)[0]
+
+
+def read_rows_and_places(path: Path) -> tuple[list[dict], list[str]]:
+    """The rows, and where each is in the file ("line 7" of a .jsonl, "row 7" otherwise), for messages."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; --task takes a data file ({', '.join(DATA_SUFFIXES)})")
+    if path.suffix in (".jsonl", ".json", ".csv"):
+        text = _text_of(path)
     if path.suffix == ".jsonl":
-        rows = []
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
+        rows, places = [], []
+        for number, line in enumerate(text.split("\n"), start=1):  # "\n" only: U+2028 may sit inside a string
             if not line.strip():
                 continue
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path}, line {number}: not valid JSON ({error.msg}): {line[:80]!r}") from None
+            places.append(f"line {number}")
     elif path.suffix == ".json":
         try:
-            rows = json.loads(path.read_text())
+            rows = json.loads(text)
         except json.JSONDecodeError as error:
             raise ValueError(f"{path}, line {error.lineno}: not valid JSON ({error.msg})") from None
     elif path.suffix == ".csv":
-        with open(path, newline="") as f:
-            rows = list(csv.DictReader(f))
+        rows = list(csv.DictReader(io.StringIO(text, newline="")))
     elif path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
@@ -120,18 +183,66 @@ def read_rows(path: Path) -> list[dict]:
         rows = pq.read_table(path).to_pylist()
     else:
         raise ValueError(f"{path}: unknown data format; use one of {', '.join(DATA_SUFFIXES)}")
-    check_rows(rows, str(path))
-    return rows
+    if path.suffix != ".jsonl":
+        places = [f"row {i}" for i in range(1, len(rows) + 1)] if isinstance(rows, list) else []
+    check_rows(rows, str(path), places)
+    return rows, places
 
 
-def check_rows(rows, source: str) -> None:
+def _text_of(path: Path) -> str:
+    """The file as UTF-8 (a byte-order mark is fine); anything else is an error naming the first bad line."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = data[:error.start].count(b"\n") + 1
+        raise ValueError(f"{path}, line {line}: not UTF-8 text (byte {data[error.start]:#04x}); save the file as "
+                         f"UTF-8") from None
+
+
+def check_rows(rows, source: str, places: list[str] | None = None) -> None:
+    """Every row an object with a `prompt` that is text or a list of chat messages."""
     if not isinstance(rows, list) or not rows:
         raise ValueError(f"{source}: no rows (expected a list of objects with a 'prompt' field)")
-    for i, row in enumerate(rows, start=1):
-        if not isinstance(row, dict) or "prompt" not in row:
-            where = f"line {i}" if source.endswith(".jsonl") else f"row {i}"
-            keys = sorted(row) if isinstance(row, dict) else type(row).__name__
-            raise ValueError(f"{source}, {where}: no 'prompt' column (it has {keys})")
+    for i, row in enumerate(rows):
+        where = places[i] if places else f"row {i + 1}"
+        if not isinstance(row, dict):
+            raise ValueError(f"{source}, {where}: a row must be an object with a 'prompt' field, not "
+                             f"{type(row).__name__} {json.dumps(row, default=str)[:60]}")
+        if "prompt" not in row:
+            raise ValueError(f"{source}, {where}: no 'prompt' column (it has {sorted(row)})")
+        problem = prompt_problem(row["prompt"])
+        if problem:
+            raise ValueError(f"{source}, {where}: {problem}")
+
+
+def prompt_problem(prompt) -> str | None:
+    """Why `prompt` is not one the model can be given, or None.
+
+    >>> prompt_problem([{"role": "user", "content": "hi"}]) is None
+    True
+    >>> prompt_problem(5)
+    "'prompt' is int 5; it must be text, or a list of chat messages with 'role' and 'content' text"
+    """
+    if isinstance(prompt, str):
+        return None
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in prompt):
+        return None
+    shown = json.dumps(prompt, default=str)
+    what = "null" if prompt is None else f"{type(prompt).__name__} {shown[:60]}{'...' if len(shown) > 60 else ''}"
+    return f"'prompt' is {what}; it must be text, or a list of chat messages with 'role' and 'content' text"
+
+
+def rows_and_places(task: Task, seed: int) -> tuple[list[dict], list[str], str]:
+    """All of a task's rows (both splits), where each is, and what to call the source, for messages."""
+    if task.source is not None:
+        rows, places = read_rows_and_places(task.source)
+        return rows, places, str(task.source)
+    train, test = task.make_data("train", seed), task.make_data("test", seed)
+    places = [f"train row {i}" for i in range(1, len(train) + 1)] + [f"test row {i}" for i in range(1, len(test) + 1)]
+    return train + test, places, f"task {task.name}"
 
 
 def split_rows(rows: list[dict], split: str, seed: int) -> list[dict]:
@@ -161,10 +272,10 @@ def _hub_data(name: str) -> Callable[[str, int], list[dict]]:
     return load
 
 
-def check_sandbox(allow_unconfined: bool, say) -> None:
-    """Where the task's rewards run model-written code (they imported the sandbox): say which layers
-    confine it, and refuse a machine that lacks a required one unless the user allowed it."""
-    if "minigrpo.sandbox" not in sys.modules:
+def check_sandbox(task: Task, allow_unconfined: bool, say) -> None:
+    """Where the task's rewards run model-written code: say which layers confine it, and refuse a machine
+    that lacks a required one unless the user allowed it."""
+    if not task.runs_code:
         return
     from minigrpo import sandbox
 

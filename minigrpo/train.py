@@ -16,6 +16,7 @@ import random
 import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,7 @@ from minigrpo.model import lora_parameters, pad_batch, seed_everything, token_lo
 from minigrpo.rollout import PromptPool, collect
 from minigrpo.run import RunFolder
 from minigrpo.scoring import score
-from minigrpo.startup import load_for_training
+from minigrpo.startup import check_lengths, load_for_training
 from minigrpo.tasks import Task, check_sandbox, get_task
 
 GAP_WARNING = 0.05  # mean |sampler - trainer| log-prob per token above which the engine is out of sync
@@ -41,19 +42,25 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
     run in cfg.output_dir from its latest complete checkpoint, exactly where it stopped."""
     seed_everything(cfg.seed)
     task = get_task(cfg.task, cfg.rewards)
-    check_sandbox(cfg.allow_unconfined_code, print)
+    check_sandbox(task, cfg.allow_unconfined_code, print)
     weights = cfg.reward_weights or task.weights
     if len(weights) != len(task.rewards):
         raise ValueError(f"{len(weights)} reward weights for the {len(task.rewards)} reward functions "
                          f"{task.reward_names}")
     train_rows = task.make_data("train", cfg.seed)
-    precheck_rewards(task, weights, train_rows)  # a broken reward stops here, before any model loads
-    run = RunFolder(Path(cfg.output_dir), cfg.report_to) if resume else RunFolder.create(cfg)
+    # a broken reward, a bad row, a folder that is not ours: all stop here, before any model loads
+    notes = precheck_rewards(task, weights, train_rows, cfg.reward_timeout)
+    run = RunFolder(Path(cfg.output_dir), cfg.report_to) if resume else RunFolder.claim(cfg)
+    check_lengths(cfg, task)
     display = Display(cfg.steps)
     display.print(f"[bold]minigrpo[/] {cfg.model} on {task.name}: {cfg.prompts_per_step} prompts x "
                   f"{cfg.num_generations} completions per step, {cfg.steps} steps -> {run.path}")
+    for note in notes:
+        display.print(f"[yellow]warning[/]: {note}", highlight=False)
 
     loaded = load_for_training(cfg, display.print)
+    if not resume:
+        run.start(cfg)  # written only now that the run can start
     model, tokenizer, generator = loaded.model, loaded.tokenizer, loaded.generator
     try:
         return _train(cfg, resume, task, weights, train_rows, run, display, model, tokenizer, generator,
@@ -77,11 +84,9 @@ def _train(cfg, resume, task, weights, train_rows, run, display, model, tokenize
     loaded_gb = memory_in_use_gb()  # the model, the engine and the data: what a step's peak stands on
     done = 0
     if resume:
-        found = checkpoint.latest(run.path)
-        if found is None:
-            raise FileNotFoundError(f"{run.path} has no complete checkpoint to resume from")
-        done = checkpoint.load(found, model, optimizer, scheduler, prompts, generator, scaler)
-        checkpoint.truncate_logs(run.path, done)
+        found, done = checkpoint.load_newest(run.path, model, optimizer, scheduler, prompts, generator, scaler,
+                                             display.print)
+        checkpoint.truncate_logs(run.path, done, display.print)
         display.print(f"resumed from {found} (step {done})")
 
     if evaluate and done == 0:
@@ -340,16 +345,25 @@ def apply_update(optimizer, scaler, max_grad_norm: float, loss: float) -> tuple[
     return norm, outcome
 
 
-def precheck_rewards(task: Task, weights: list[float], rows: list[dict]) -> None:
-    """The cheap part of `minigrpo check-reward`: every reward on the task's worked examples, and on a few
-    data rows with stand-in completions, strictly, so a reward that raises, returns the wrong number of
-    values or needs a column the data lacks fails now, with its name, not at step 1 after a model load."""
-    probe = [dict(row, completion=text) for row in rows[:2] for text in ("", str(row["prompt"]))]
-    for batch in (task.examples, probe):
-        if batch:
-            rows_only = [{k: v for k, v in r.items() if k not in ("completion", "expected")} for r in batch]
-            score(task.rewards, weights, [r["prompt"] for r in batch], [r["completion"] for r in batch],
-                  [[] for _ in batch], rows_only, strict=True)
+def precheck_rewards(task: Task, weights: list[float], rows: list[dict], timeout: float | None = None) -> list[str]:
+    """The cheap part of `minigrpo check-reward`, before any model loads: every reward strictly on the
+    task's worked examples (they must score as written), and on a few data rows with stand-in completions
+    (empty, and the prompt itself), where only a broken contract stops the run (the wrong number of values,
+    NaN, a column the data lacks); raising there is what rewards do on junk, and only warned about.
+    Returns the warnings."""
+    def batch_of(examples):
+        rows_only = [{k: v for k, v in r.items() if k not in ("completion", "expected")} for r in examples]
+        return ([r["prompt"] for r in examples], [r["completion"] for r in examples], [[] for _ in examples],
+                rows_only)
+
+    if task.examples:
+        score(task.rewards, weights, *batch_of(task.examples), strict=True, timeout=timeout)
+    stand_ins = [dict(row, completion=text) for row in rows[:2] for text in ("", str(row["prompt"]))]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        score(task.rewards, weights, *batch_of(stand_ins), timeout=timeout)
+    return [f"on stand-in completions (empty, or the prompt itself): {w.message}" for w in caught
+            if "reward function" in str(w.message)]
 
 
 def mean_of_present(values: list[float | None]) -> float | None:

@@ -78,6 +78,7 @@ TASK = Task(
     description="write a small Python function; graded on held-back tests in a sandbox",
     make_data=make_data,
     rewards=[code_reward],
+    runs_code=True,
     examples=[{"prompt": "add", "function": "add", "tests": [[[1, 2], 3]],
                "completion": "```python\ndef add(a, b):\n    return a + b\n```", "expected": 1.0}],
 )

@@ -1,7 +1,11 @@
 """Countdown (as TinyZero defines it): combine 3-4 numbers with + - * / to hit a target.
 
-Reward: 1.0 when the last <answer> holds an equation that uses every given number exactly once and
-equals the target; 0.1 for a non-empty answer that is not that; 0.0 for no answer or an empty one.
+Scored as TinyZero scores it, so curves compare with published ones: the last <answer>...</answer> on the
+completion's last line is the answer (none: 0.0); 1.0 when it is an expression of digits, + - * / and
+parentheses only, uses every given number exactly once, and equals the target; 0.1 for any other answer,
+an empty one or one with "= 20" included. The expression is computed by a bounded evaluator, not `eval`
+(so `**` is refused where TinyZero would compute it). `countdown_reward_lenient` also takes "... = 20" and
+an answer anywhere in the text.
 
 >>> countdown_reward(["<think>..</think><answer>(7 - 3) * 5</answer>"], target=[20], nums=[[3, 5, 7]])
 [1.0]
@@ -9,6 +13,10 @@ equals the target; 0.1 for a non-empty answer that is not that; 0.0 for no answe
 [0.1]
 >>> countdown_reward(["<answer>4 * 5</answer>"], target=[20], nums=[[3, 5, 7]])  # not the given numbers
 [0.1]
+>>> countdown_reward(["<answer>(7 - 3) * 5 = 20</answer>"], target=[20], nums=[[3, 5, 7]])
+[0.1]
+>>> countdown_reward_lenient(["<answer>(7 - 3) * 5 = 20</answer>"], target=[20], nums=[[3, 5, 7]])
+[1.0]
 >>> countdown_reward(["I think it is 20."], target=[20], nums=[[3, 5, 7]])
 [0.0]
 """
@@ -22,7 +30,8 @@ import re
 from minigrpo.scoring import text_of
 from minigrpo.tasks import Task
 
-ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+ALLOWED = re.compile(r"^[\d+\-*/().\s]+$")  # TinyZero's characters
+FORMAT_SCORE = 0.1  # TinyZero's score for an answer in the right place that is not right
 MAX_CHARS = 200  # an honest equation of four two-digit numbers is ~20 characters
 MAX_NODES = 40  # operators and numbers in the parsed tree
 MAX_DIGITS = 6  # no literal longer than this is a countdown number
@@ -80,23 +89,40 @@ def _compute(node: ast.AST) -> float:
     return left / right
 
 
-def score(completion: str, target: int, nums: list[int]) -> float:
-    answers = ANSWER.findall(completion)
-    if not answers or not answers[-1].strip():
+def last_answer(text: str) -> str | None:
+    """The last <answer>...</answer> of `text`, stripped, as `re.finditer` finds them left to right; in
+    linear time (a lazy regex takes quadratic time on many unclosed tags)."""
+    found, at = None, 0
+    while (start := text.find("<answer>", at)) >= 0:
+        end = text.find("</answer>", start + len("<answer>"))
+        if end < 0:
+            break
+        found, at = text[start + len("<answer>"):end].strip(), end + len("</answer>")
+    return found
+
+
+def score(completion: str, target: int, nums: list[int], lenient: bool = False) -> float:
+    answer = last_answer(completion if lenient else completion.split("\n")[-1])
+    if answer is None:
         return 0.0
-    expression = answers[-1].split("=")[0]  # "(7 - 3) * 5 = 20" counts as its left side
-    result = evaluate(expression)
-    if result is None:
-        return 0.1
-    value, used = result
-    if used == sorted(nums) and abs(value - target) < 1e-5:
-        return 1.0
-    return 0.1
+    if len(answer) > MAX_CHARS:
+        return FORMAT_SCORE
+    if lenient:
+        answer = answer.split("=")[0]  # "(7 - 3) * 5 = 20" counts as its left side
+    if sorted(int(n) for n in re.findall(r"\d+", answer)) != sorted(nums) or not ALLOWED.match(answer):
+        return FORMAT_SCORE
+    result = evaluate(answer)
+    return 1.0 if result is not None and abs(result[0] - target) < 1e-5 else FORMAT_SCORE
 
 
 def countdown_reward(completions: list, target: list[int], nums: list[list[int]], **kwargs) -> list[float]:
     """TRL's reward signature: one float per completion; `target` and `nums` are dataset columns."""
     return [score(text_of(c), t, n) for c, t, n in zip(completions, target, nums)]
+
+
+def countdown_reward_lenient(completions: list, target: list[int], nums: list[list[int]], **kwargs) -> list[float]:
+    """As countdown_reward, but an answer anywhere counts and a trailing "= target" is allowed."""
+    return [score(text_of(c), t, n, lenient=True) for c, t, n in zip(completions, target, nums)]
 
 
 PROMPT = (

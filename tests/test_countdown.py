@@ -2,7 +2,7 @@ import time
 
 import pytest
 
-from rewards.countdown import countdown_reward, evaluate, make_data
+from rewards.countdown import countdown_reward, countdown_reward_lenient, evaluate, make_data
 
 NUMS, TARGET = [3, 5, 7], 20
 
@@ -13,14 +13,15 @@ def reward(text: str) -> float:
 
 @pytest.mark.parametrize("text, expected", [
     ("<think>7-3=4, 4*5=20</think>\n<answer>(7 - 3) * 5</answer>", 1.0),
-    ("<answer> 5 * (7 - 3) = 20 </answer>", 1.0),  # the left side of an equation counts
+    ("<answer> 5 * (7 - 3) = 20 </answer>", 0.1),  # TinyZero's characters have no "="
+    ("<answer>(7 - 3) * 5</answer>\nSo that is it.", 0.0),  # TinyZero reads the last line only
     ("<answer>7 * 5 - 3</answer>", 0.1),  # wrong value
     ("<answer>(7 - 3) * 5 + 3 - 3</answer>", 0.1),  # a number reused
     ("<answer>4 * 5</answer>", 0.1),  # numbers that were not given
     ("<answer>(7 - 3) * 5 * 1</answer>", 0.1),  # an extra number
     ("<answer>7 * 3</answer>", 0.1),  # a number missing
-    ("<answer></answer>", 0.0),
-    ("<answer>   </answer>", 0.0),
+    ("<answer></answer>", 0.1),  # an answer in the right place, though empty
+    ("<answer>   </answer>", 0.1),
     ("The answer is (7 - 3) * 5", 0.0),  # no tags
     ("<answer>(7 - 3) * 5", 0.0),  # unclosed tag
     ("<answer>(7 - 3) * 5</answer> wait, no: <answer>7 + 3 + 5</answer>", 0.1),  # the last answer counts
@@ -29,6 +30,25 @@ def reward(text: str) -> float:
 ])
 def test_countdown_reward(text, expected):
     assert reward(text) == expected
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("<answer> 5 * (7 - 3) = 20 </answer>", 1.0),
+    ("<answer>(7 - 3) * 5</answer>\nSo that is it.", 1.0),
+    ("no answer", 0.0),
+])
+def test_the_lenient_reward(text, expected):
+    assert countdown_reward(["<answer>3*5+7=22</answer>"], target=[22], nums=[NUMS]) == [0.1]  # as TinyZero
+    assert countdown_reward_lenient(["<answer>3*5+7=22</answer>"], target=[22], nums=[NUMS]) == [1.0]
+    assert countdown_reward_lenient([text], target=[TARGET], nums=[NUMS]) == [expected]
+
+
+@pytest.mark.parametrize("text", ["<answer>" * 50_000, "<answer>" * 50_000 + "</answer>", "<answer>1</answer>" * 20_000])
+def test_many_tags_take_linear_time(text):
+    start = time.perf_counter()
+    countdown_reward([text], target=[TARGET], nums=[NUMS])
+    countdown_reward_lenient([text], target=[TARGET], nums=[NUMS])
+    assert time.perf_counter() - start < 0.5
 
 
 def test_division_and_float_tolerance():
