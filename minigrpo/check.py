@@ -72,8 +72,9 @@ def print_report(reports: list[dict], title: str, console: Console) -> None:
     for column in ("function", "mean", "spread (std)", "share of zeros", "errors"):
         table.add_column(column)
     for r in reports:
-        table.add_row(r["function"], f"{r['mean']:.3f}", f"{r['std']:.3f}", f"{r['zeros']:.0%}"
-                      if not math.isnan(r["zeros"]) else "-", str(r["errors"]))
+        shown = ["n/a" if math.isnan(r[k]) else f"{r[k]:.3f}" for k in ("mean", "std")]  # n/a: all None
+        table.add_row(r["function"], *shown, f"{r['zeros']:.0%}" if not math.isnan(r["zeros"]) else "n/a",
+                      str(r["errors"]))
     console.print(table)
     for r in reports:
         for warning in r["warnings"]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -13,12 +15,36 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="GRPO with a 4-bit base and LoRA adapters, on one consumer GPU (or a laptop cpu).")
 
 PRESET_HELP = "[default: from the model preset]"
+
+
+def clear_errors(command):
+    """A user's mistake (a bad flag value, file, reward, or a machine that cannot run the request) ends the
+    command with one line naming it and exit status 1, not a traceback."""
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except Exception as error:
+            if isinstance(error, typer.BadParameter) or not _is_user_error(error):
+                raise
+            Console(stderr=True).print(f"[bold red]error[/]: {error}", highlight=False)
+            raise typer.Exit(1) from None
+
+    return run
+
+
+def _is_user_error(error: Exception) -> bool:
+    from minigrpo.sandbox import SandboxError
+    from minigrpo.startup import SetupError  # imported only here: it brings torch
+
+    return isinstance(error, (RewardError, ValueError, FileNotFoundError, SetupError, SandboxError))
 TIMEOUT_HELP = "Seconds a reward function may take per completion before it scores 0 (0: no limit)."
 UNCONFINED_HELP = ("Run model-written code (the code task) even where the kernel lacks a sandbox layer "
                    "(Landlock, namespaces, seccomp); `minigrpo doctor` says which this machine has.")
 
 
 @app.command()
+@clear_errors
 def train(
     ctx: typer.Context,
     model: str = typer.Option("smollm2-135m", help="Preset name (`minigrpo models`), hub id, or local folder."),
@@ -73,8 +99,6 @@ def train(
     report_to: list[str] = typer.Option([], help="Also log to tensorboard and/or wandb (repeat); never by default."),
 ) -> None:
     """Train a LoRA adapter with GRPO and write a run folder."""
-    from minigrpo.sandbox import SandboxError
-    from minigrpo.startup import SetupError
     from minigrpo.train import train as run_training
 
     if resume:
@@ -112,14 +136,11 @@ def train(
             )
         except ValueError as error:
             raise typer.BadParameter(str(error)) from None
-    try:
-        run_training(cfg, resume=bool(resume))
-    except (RewardError, ValueError, FileNotFoundError, SetupError, SandboxError) as error:
-        Console(stderr=True).print(f"[bold red]error[/]: {error}", highlight=False)
-        raise typer.Exit(1) from None
+    run_training(cfg, resume=bool(resume))
 
 
 @app.command("eval")
+@clear_errors
 def eval_command(
     task: str = typer.Option(..., help="Built-in task, task .py file, data file, or hub dataset."),
     adapter: str = typer.Option(None, help="A trained adapter folder (runs/<run>/adapter); none: the base model."),
@@ -137,25 +158,27 @@ def eval_command(
 
     from minigrpo.evaluate import Evaluator
     from minigrpo.generation import HFGenerator
-    from minigrpo.model import load_trained
+    from minigrpo.model import adapter_folder, load_trained, seed_everything
+    from minigrpo.run import results_folder
     from minigrpo.tasks import check_sandbox, get_task
-    from minigrpo.model import seed_everything
     
     t = get_task(task, reward)
     check_sandbox(t, allow_unconfined_code, Console().print)
+    adapter = adapter and adapter_folder(adapter)
+    folder = results_folder(Path(out), "--out") if out else adapter.parent if adapter else None
     # the run's own seed by default: it decides the held-out split, which must be the one training never saw
     policy, tokenizer, cfg = load_trained(adapter, model, max_new_tokens=max_new_tokens, eval_prompts=prompts,
                                           eval_samples=samples, seed=seed)
     seed_everything(cfg.seed)
-    run_dir = Path(adapter).parent if adapter else None
-    result = Evaluator(cfg, t, t.weights, tokenizer, HFGenerator(policy, tokenizer), out or run_dir)(None)
-    Console().print(f"{'adapter ' + adapter if adapter else 'base model ' + cfg.model} on {t.name}: "
+    result = Evaluator(cfg, t, t.weights, tokenizer, HFGenerator(policy, tokenizer), folder)(None)
+    Console().print(f"{f'adapter {adapter}' if adapter else 'base model ' + cfg.model} on {t.name}: "
                     f"pass@1 {result['pass@1']:.3f} ± {result['pass@1/stderr']:.3f}, mean reward "
                     f"{result['reward/mean']:.3f} ± {result['reward/stderr']:.3f} "
                     f"({result['prompts']} prompts x {result['samples_per_prompt']} samples)", highlight=False)
 
 
 @app.command()
+@clear_errors
 def models() -> None:
     """List the model presets and the sizes they set."""
     table = Table(title="model presets (sizes for a 16 GB GPU, 4-bit base; `minigrpo plan` says what fits a card)")
@@ -168,6 +191,7 @@ def models() -> None:
 
 
 @app.command()
+@clear_errors
 def tasks() -> None:
     """List the built-in tasks."""
     from rewards import TASKS
@@ -185,6 +209,7 @@ def tasks() -> None:
 
 
 @app.command("check-reward")
+@clear_errors
 def check_reward(
     task: str = typer.Option(..., help="Built-in task, task .py file, data file, or hub dataset."),
     reward: list[str] = typer.Option([], help="Extra reward function file.py:function (repeat)."),
@@ -210,6 +235,14 @@ def check_reward(
         example_rows = [{k: v for k, v in e.items() if k not in ("completion", "expected")} for e in t.examples]
         print_report(check_rewards(t, example_rows, [e["completion"] for e in t.examples], judge_spread=False),
                      f"{t.name}: worked examples", console)
+    else:
+        console.print(f"[yellow]note[/]: task {t.name} has no worked examples, so no score is checked against an "
+                      f"expected one; add some (Task(examples=[...])) to check the rewards' values", highlight=False)
+    # what the run's precheck does: junk completions must not break the contract
+    stand_in_rows = [row for row in rows[:2] for _ in range(2)]
+    stand_ins = [text for row in rows[:2] for text in ("", str(row["prompt"]))]
+    print_report(check_rewards(t, stand_in_rows, stand_ins, judge_spread=False),
+                 f"{t.name}: stand-in completions (empty, and the prompt itself)", console)
     if no_model:
         return
     from minigrpo.evaluate import sample_texts
@@ -224,6 +257,7 @@ def check_reward(
 
 
 @app.command()
+@clear_errors
 def sample(
     prompt: list[str] = typer.Argument(..., help="One or more prompts (user messages)."),
     adapter: str = typer.Option(None, help="A trained adapter folder (runs/<run>/adapter); none: the base model."),
@@ -242,6 +276,7 @@ def sample(
 
 
 @app.command()
+@clear_errors
 def chat(
     adapter: str = typer.Option(None, help="A trained adapter folder; none: the base model."),
     model: str = typer.Option(None, help="Base model [default: the adapter's run config, else smollm2-135m]."),
@@ -271,6 +306,7 @@ def chat(
 
 
 @app.command()
+@clear_errors
 def export(
     run: str = typer.Argument(..., help="A run folder."),
     out: str = typer.Option(..., help="Where to write the exported model."),
@@ -284,9 +320,14 @@ def export(
 
     import torch
 
-    adapter = Path(run) / "adapter"
-    if not (adapter / "adapter_config.json").exists():
-        raise typer.BadParameter(f"{run} has no trained adapter (expected {adapter})")
+    from minigrpo.model import adapter_folder
+    from minigrpo.run import results_folder
+
+    adapter = adapter_folder(run)
+    target = Path(out)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ValueError(f"--out {out} already exists and is not an empty folder; pick a new one (nothing was written)")
+    results_folder(target, "--out")
     if not merge:
         shutil.copytree(adapter, out, dirs_exist_ok=True)
         Console().print(f"copied the adapter to {out}")
@@ -299,6 +340,7 @@ def export(
 
 
 @app.command()
+@clear_errors
 def plot(
     run: str = typer.Argument(..., help="A run folder."),
     out: str = typer.Option(None, help="PNG path [default: <run>/curves.png]."),
@@ -310,6 +352,7 @@ def plot(
 
 
 @app.command("plan")
+@clear_errors
 def plan_command(
     model: str = typer.Option("qwen-1.5b", help="Preset name, hub id or local folder (only its config is read)."),
     gpu: str = typer.Option(None, help="A card: t4, v100, 3060, 4060ti, l4, a10, 3090, 4090, a100-40, a100-80, h100."),
@@ -345,6 +388,7 @@ def plan_command(
 
 
 @app.command()
+@clear_errors
 def doctor(
     dtype: str = typer.Option("auto", help="Check this compute dtype instead of the one chosen for this machine."),
     vllm_requirement: bool = typer.Option(False, "--vllm-requirement",
@@ -366,6 +410,7 @@ app.add_typer(bench_app, name="bench")
 
 
 @bench_app.command("compare")
+@clear_errors
 def bench_compare(
     variant: list[str] = typer.Option(..., help="NAME:key=value,key=value (repeat; the first is the baseline)."),
     set_: list[str] = typer.Option([], "--set", help="key=value for every variant (repeat)."),
@@ -383,6 +428,7 @@ def bench_compare(
 
 
 @bench_app.command("trl")
+@clear_errors
 def bench_trl(
     steps: int = typer.Option(6, help="Steps per run; the first is left out of the medians."),
     rounds: int = typer.Option(1, help="Runs per trainer, taken in turns."),
@@ -394,6 +440,7 @@ def bench_trl(
 
 
 @bench_app.command("memory")
+@clear_errors
 def bench_memory() -> None:
     """Peak memory of the log-prob + loss pass, chunked vs full logits, as length and G grow (tiny model)."""
     from minigrpo.bench import memory_scaling
@@ -402,6 +449,7 @@ def bench_memory() -> None:
 
 
 @bench_app.command("sandbox")
+@clear_errors
 def bench_sandbox(runs: int = typer.Option(40, help="Programs per side, taken in turns.")) -> None:
     """Milliseconds per program in the code sandbox, against a bare interpreter running it."""
     from minigrpo.bench import sandbox_overhead
@@ -410,6 +458,7 @@ def bench_sandbox(runs: int = typer.Option(40, help="Programs per side, taken in
 
 
 @bench_app.command("model")
+@clear_errors
 def bench_model_command(
     model: str = typer.Option("smollm2-135m", "--model", help="A preset; random weights of its shape if absent."),
     group: list[int] = typer.Option([4, 8], "--group", "-G", help="Values of G to measure (repeat)."),

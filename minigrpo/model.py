@@ -357,11 +357,23 @@ def _dense_weight(layer) -> torch.Tensor:
     return weight.detach().float()
 
 
+def adapter_folder(path: str | Path) -> Path:
+    """A trained adapter's folder, given it or its run folder; an error that says what was expected."""
+    path = Path(path)
+    for folder in (path, path / "adapter"):
+        if (folder / "adapter_config.json").exists():
+            return folder
+    raise ValueError(f"{path} is not a trained adapter: expected a folder with adapter_config.json, such as "
+                     f"runs/<run>/adapter (or the run folder itself)")
+
+
 def load_trained(adapter: str | Path | None, model: str | None = None, **overrides):
     """A run's policy for sampling or export: its base (as the run loaded it) with the trained adapter.
     Returns (model, tokenizer, config)."""
     from peft import PeftModel
 
+    if adapter:
+        adapter = adapter_folder(adapter)
     run_dir = Path(adapter).parent if adapter else None
     saved = run_dir / "config.json" if run_dir else None
     cfg = TrainConfig.load(saved) if saved and saved.exists() else TrainConfig(model=model or "smollm2-135m",

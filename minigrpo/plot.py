@@ -11,7 +11,14 @@ from pathlib import Path
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    """The records of a log; a half-written line (a run killed mid-write) is left out."""
+    records = []
+    for line in path.read_text(errors="replace").split("\n") if path.exists() else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return records
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path:
@@ -21,6 +28,8 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
+    if not (run_dir / "config.json").exists():
+        raise ValueError(f"{run_dir} is not a run folder (it has no config.json)")
     metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if not m.get("skipped")]
     if not metrics:
         raise ValueError(f"{run_dir} has no metrics to plot")
