@@ -79,3 +79,24 @@ def print_report(reports: list[dict], title: str, console: Console) -> None:
     for r in reports:
         for warning in r["warnings"]:
             console.print(f"[yellow]warning[/]: {r['function']}: {warning}", highlight=False)
+
+
+def precheck_rewards(task: Task, weights: list[float], rows: list[dict], timeout: float | None = None) -> list[str]:
+    """The cheap part of `minigrpo check-reward`, before any model loads: every reward strictly on the
+    task's worked examples (they must score as written), and on a few data rows with stand-in completions
+    (empty, and the prompt itself), where only a broken contract stops the run (the wrong number of values,
+    NaN, a column the data lacks); raising there is what rewards do on junk, and only warned about.
+    Returns the warnings."""
+    def batch_of(examples):
+        rows_only = [{k: v for k, v in r.items() if k not in ("completion", "expected")} for r in examples]
+        return ([r["prompt"] for r in examples], [r["completion"] for r in examples], [[] for _ in examples],
+                rows_only)
+
+    if task.examples:
+        score(task.rewards, weights, *batch_of(task.examples), strict=True, timeout=timeout)
+    stand_ins = [dict(row, completion=text) for row in rows[:2] for text in ("", str(row["prompt"]))]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        score(task.rewards, weights, *batch_of(stand_ins), timeout=timeout)
+    return [f"on stand-in completions (empty, or the prompt itself): {w.message}" for w in caught
+            if "reward function" in str(w.message)]

@@ -173,7 +173,8 @@ def _allow(ruleset: int, path: str, rights: int) -> None:
         os.close(fd)
 
 
-# seccomp: system calls refused with EPERM (x86_64 numbers; elsewhere this layer is reported missing)
+# seccomp: system calls refused with EPERM, by number, from the kernel's tables for x86_64 and aarch64 (on other
+# architectures this layer is reported missing)
 X86_64 = {
     "fork": 57, "vfork": 58, "execve": 59, "execveat": 322, "socket": 41, "socketpair": 53, "setsid": 112,
     "setpgid": 109, "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "mount": 165,
@@ -192,8 +193,22 @@ X86_64 = {
     "lsetxattr": 189, "fsetxattr": 190, "removexattr": 197, "lremovexattr": 198, "fremovexattr": 199,
     "setxattrat": 463, "removexattrat": 466,
 }
-X86_64_CLONE, X86_64_CLONE3 = 56, 435
-AUDIT_ARCH_X86_64 = 0xC000003E
+AARCH64 = {  # no fork or vfork: clone does both
+    "execve": 221, "execveat": 281, "socket": 198, "socketpair": 199, "setsid": 157, "setpgid": 154, "ptrace": 117,
+    "process_vm_readv": 270, "process_vm_writev": 271, "mount": 40, "umount2": 39, "pivot_root": 41, "chroot": 51,
+    "unshare": 97, "setns": 268, "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432,
+    "fspick": 433, "mount_setattr": 442, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+    "bpf": 280, "perf_event_open": 241, "userfaultfd": 282, "keyctl": 219, "add_key": 217, "request_key": 218,
+    "init_module": 105, "finit_module": 273, "delete_module": 106, "kexec_load": 104, "kexec_file_load": 294,
+    "reboot": 142, "swapon": 224, "swapoff": 225, "acct": 89, "quotactl": 60, "syslog": 116,
+    "name_to_handle_at": 264, "open_by_handle_at": 265, "pidfd_getfd": 438, "kcmp": 272, "personality": 92,
+    "mknodat": 33, "sethostname": 161, "setdomainname": 162, "settimeofday": 170, "clock_settime": 112,
+    "adjtimex": 171, "clock_adjtime": 266, "fchmod": 52, "fchmodat": 53, "fchmodat2": 452, "fchown": 55,
+    "fchownat": 54, "utimensat": 88, "setxattr": 5, "lsetxattr": 6, "fsetxattr": 7, "removexattr": 14,
+    "lremovexattr": 15, "fremovexattr": 16, "setxattrat": 463, "removexattrat": 466,
+}
+# architecture: (AUDIT_ARCH_*, clone, clone3, refused)
+SYSCALLS = {"x86_64": (0xC000003E, 56, 435, X86_64), "aarch64": (0xC00000B7, 220, 435, AARCH64)}
 RET_KILL, RET_ALLOW = 0x80000000, 0x7FFF0000
 RET_EPERM, RET_ENOSYS = 0x00050000 | 1, 0x00050000 | 38
 LD_W_ABS, JEQ, JSET, JGE, RET = 0x20, 0x15, 0x45, 0x35, 0x06
@@ -201,15 +216,16 @@ LD_W_ABS, JEQ, JSET, JGE, RET = 0x20, 0x15, 0x45, 0x35, 0x06
 
 def filter_syscalls() -> bool:
     """Install the seccomp filter; False where this architecture has no table here."""
-    if _arch() != "x86_64":
+    if _arch() not in SYSCALLS:
         return False
-    denied = sorted(X86_64.values())
+    audit_arch, clone, clone3, refused = SYSCALLS[_arch()]
+    denied = sorted(refused.values())
     # [load arch; other arch -> kill; load nr; x32 -> deny; clone3 -> ENOSYS (threads fall back to clone);
     #  clone -> check flags; each denied nr -> deny; allow; flags: CLONE_THREAD -> allow else deny; deny]
-    prog = [(LD_W_ABS, 0, 0, 4), (JEQ, 1, 0, AUDIT_ARCH_X86_64), (RET, 0, 0, RET_KILL), (LD_W_ABS, 0, 0, 0),
-            (JGE, 0, 1, 0x40000000), (RET, 0, 0, RET_EPERM), (JEQ, 0, 1, X86_64_CLONE3), (RET, 0, 0, RET_ENOSYS)]
+    prog = [(LD_W_ABS, 0, 0, 4), (JEQ, 1, 0, audit_arch), (RET, 0, 0, RET_KILL), (LD_W_ABS, 0, 0, 0),
+            (JGE, 0, 1, 0x40000000), (RET, 0, 0, RET_EPERM), (JEQ, 0, 1, clone3), (RET, 0, 0, RET_ENOSYS)]
     n = len(denied)
-    prog.append((JEQ, n + 1, 0, X86_64_CLONE))  # to the flags check, past the list and the allow
+    prog.append((JEQ, n + 1, 0, clone))  # to the flags check, past the list and the allow
     prog += [(JEQ, n - i + 3, 0, nr) for i, nr in enumerate(denied)]  # to the final deny
     prog += [(RET, 0, 0, RET_ALLOW), (LD_W_ABS, 0, 0, 16), (JSET, 0, 1, CLONE_THREAD), (RET, 0, 0, RET_ALLOW),
              (RET, 0, 0, RET_EPERM)]

@@ -61,12 +61,14 @@ class RunFolder:
 
 
 def results_folder(path: Path, flag: str) -> Path:
-    """A folder for results (eval.jsonl, an export), made now, before the work: it must be new, empty, or
-    a run folder (which holds results already); a folder with other things in it is someone's."""
+    """A folder for results (eval.jsonl, an export), made now, before the work: it must be new, empty, a
+    run folder or one with evaluations already (results are appended); a folder with other things in it is
+    someone's."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"{flag} {path} is a file; give a folder")
-    if path.is_dir() and any(path.iterdir()) and not (path / "config.json").exists():
+    ours = (path / "config.json").exists() or (path / "eval.jsonl").exists()
+    if path.is_dir() and any(path.iterdir()) and not ours:
         raise ValueError(f"{flag} {path} is not empty and not a run folder; pick a new folder (nothing was written)")
     writable_or_fail(path, flag)
     path.mkdir(parents=True, exist_ok=True)

@@ -135,7 +135,7 @@ def test_a_per_sample_reward_without_the_decorator_is_told_to_add_it():
 
 def test_the_precheck_warns_on_stand_ins_but_holds_worked_examples_strictly():
     from minigrpo.tasks import Task
-    from minigrpo.train import precheck_rewards
+    from minigrpo.check import precheck_rewards
 
     def picky(prompts, completions, **kw):
         return [1.0 / len(c) for c in completions]  # raises on the empty stand-in

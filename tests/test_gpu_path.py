@@ -461,7 +461,7 @@ def test_export_holds_about_one_layer_more_than_the_model(tiny_model_path, tmp_p
 def test_doctor_passes_on_this_cpu_for_real():
     result = CliRunner().invoke(app, ["doctor"])
     assert result.exit_code == 0, result.output
-    for row in ("device", "torch", "bitsandbytes", "compute dtype", "training"):
+    for row in ("device", "torch", "bitsandbytes", "compute dtype", "code sandbox", "training"):
         assert row in result.output
     assert "ready" in result.output
     try:

@@ -54,4 +54,4 @@ def test_countdown_notebook_shows_a_training_error_as_an_error(tmp_path):
             'MODEL = "smollm2-135m"\nTASK = "countdown"\nSTEPS = 2\nNUM_GENERATIONS = 2\nPROMPTS_PER_STEP = 1\n'
             f'MAX_NEW_TOKENS = 8\nGENERATOR = "hf"\nRUN_DIR = "{blocker / "run"}"\nLIVE_PLOT_SECONDS = 1\n'
         ), tmp_path)
-    assert "Not a directory" in str(failed.value) and "import threading" in str(failed.value)  # the training cell
+    assert "is a file, so no folder can be made there" in str(failed.value) and "import threading" in str(failed.value)  # the training cell

@@ -80,9 +80,9 @@ def test_eval_before_and_after(tmp_path):
     evals = read(run / "eval.jsonl")
     assert [e["step"] for e in evals] == [0, 2]
     args = ["eval", "--task", "addition", "--prompts", "4", "--samples", "2", "--max-new-tokens", "12"]
-    base = CliRunner().invoke(app, args + ["--out", str(tmp_path)])
+    base = CliRunner().invoke(app, args + ["--out", str(tmp_path / "evals")])
     after = CliRunner().invoke(app, args + ["--adapter", str(run / "adapter")])
     assert base.exit_code == 0 and after.exit_code == 0, base.output + after.output
     assert "base model smollm2-135m on addition: pass@1" in base.output
     assert "adapter" in after.output and "pass@1" in after.output
-    assert len(read(run / "eval.jsonl")) == 3 and len(read(tmp_path / "eval.jsonl")) == 1
+    assert len(read(run / "eval.jsonl")) == 3 and len(read(tmp_path / "evals" / "eval.jsonl")) == 1
