@@ -11,7 +11,7 @@ from rich.table import Table
 from minigrpo.config import PRESETS, TrainConfig
 from minigrpo.scoring import RewardError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="GRPO with a 4-bit base and LoRA adapters, on one consumer GPU (or a laptop cpu).")
 
 PRESET_HELP = "[default: from the model preset]"
@@ -49,14 +49,14 @@ def train(
     ctx: typer.Context,
     model: str = typer.Option("smollm2-135m", help="Preset name (`minigrpo models`), hub id, or local folder."),
     task: str = typer.Option("addition", help="Built-in task, task .py file, data file, or hub dataset."),
-    reward: list[str] = typer.Option([], help="Extra reward function file.py:function (repeat)."),
-    reward_weight: list[float] = typer.Option([], help="One weight per reward function, the task's first (repeat)."),
+    reward: list[str] = typer.Option([], help="Extra reward function file.py:function (repeat) [default: none]."),
+    reward_weight: list[float] = typer.Option([], help="One weight per reward function, the task's first (repeat) [default: 1.0 each, or the task's]."),
     strict_rewards: bool = typer.Option(False, help="Stop when a reward function raises (default: score 0)."),
     allow_unconfined_code: bool = typer.Option(False, help=UNCONFINED_HELP),
     reward_timeout: float = typer.Option(10.0, help=TIMEOUT_HELP),
     steps: int = typer.Option(None, help="Optimizer steps [default: 30; with --resume, the run's own]."),
     resume: str = typer.Option(None, help="Continue this run folder from its latest checkpoint (other flags "
-                                          "are taken from its config.json, but --steps may extend it)."),
+                                          "are taken from its config.json, but --steps may extend it) [default: none, a new run]."),
     save_every: int = typer.Option(10, help="Checkpoint every N steps (and at the end)."),
     keep: int = typer.Option(2, help="Checkpoints to keep."),
     output_dir: str = typer.Option(None, help="Run folder [default: runs/<time>-<model>-<task>]."),
@@ -96,7 +96,7 @@ def train(
     no_gradient_checkpointing: bool = typer.Option(False, "--no-gradient-checkpointing",
                                                    help="Faster steps, more activation memory."),
     sample_every: int = typer.Option(5, help="Show a sampled completion every N steps (0: never)."),
-    report_to: list[str] = typer.Option([], help="Also log to tensorboard and/or wandb (repeat); never by default."),
+    report_to: list[str] = typer.Option([], help="Also log to tensorboard and/or wandb (repeat) [default: none]."),
 ) -> None:
     """Train a LoRA adapter with GRPO and write a run folder."""
     from minigrpo.train import train as run_training
@@ -143,9 +143,9 @@ def train(
 @clear_errors
 def eval_command(
     task: str = typer.Option(..., help="Built-in task, task .py file, data file, or hub dataset."),
-    adapter: str = typer.Option(None, help="A trained adapter folder (runs/<run>/adapter); none: the base model."),
+    adapter: str = typer.Option(None, help="A trained adapter folder (runs/<run>/adapter) [default: none, the base model]."),
     model: str = typer.Option(None, help="Base model [default: the adapter's run config, else smollm2-135m]."),
-    reward: list[str] = typer.Option([], help="Extra reward function file.py:function (repeat)."),
+    reward: list[str] = typer.Option([], help="Extra reward function file.py:function (repeat) [default: none]."),
     prompts: int = typer.Option(64, help="Held-out prompts."),
     samples: int = typer.Option(4, help="Samples per prompt for the mean reward."),
     max_new_tokens: int = typer.Option(None, help="Completion length limit [default: the run's, else the preset's]."),
@@ -212,7 +212,7 @@ def tasks() -> None:
 @clear_errors
 def check_reward(
     task: str = typer.Option(..., help="Built-in task, task .py file, data file, or hub dataset."),
-    reward: list[str] = typer.Option([], help="Extra reward function file.py:function (repeat)."),
+    reward: list[str] = typer.Option([], help="Extra reward function file.py:function (repeat) [default: none]."),
     model: str = typer.Option("smollm2-135m", help="The model to sample completions from."),
     prompts: int = typer.Option(4, help="Prompts to sample completions for."),
     samples: int = typer.Option(4, help="Completions per prompt."),
@@ -260,7 +260,7 @@ def check_reward(
 @clear_errors
 def sample(
     prompt: list[str] = typer.Argument(..., help="One or more prompts (user messages)."),
-    adapter: str = typer.Option(None, help="A trained adapter folder (runs/<run>/adapter); none: the base model."),
+    adapter: str = typer.Option(None, help="A trained adapter folder (runs/<run>/adapter) [default: none, the base model]."),
     model: str = typer.Option(None, help="Base model [default: the adapter's run config, else smollm2-135m]."),
     n: int = typer.Option(1, help="Completions per prompt."),
     max_new_tokens: int = typer.Option(256, help="Completion length limit."),
@@ -278,7 +278,7 @@ def sample(
 @app.command()
 @clear_errors
 def chat(
-    adapter: str = typer.Option(None, help="A trained adapter folder; none: the base model."),
+    adapter: str = typer.Option(None, help="A trained adapter folder [default: none, the base model]."),
     model: str = typer.Option(None, help="Base model [default: the adapter's run config, else smollm2-135m]."),
     max_new_tokens: int = typer.Option(256, help="Reply length limit."),
     temperature: float = typer.Option(0.7, help="Sampling temperature; 0 is greedy."),
@@ -355,8 +355,8 @@ def plot(
 @clear_errors
 def plan_command(
     model: str = typer.Option("qwen-1.5b", help="Preset name, hub id or local folder (only its config is read)."),
-    gpu: str = typer.Option(None, help="A card: t4, v100, 3060, 4060ti, l4, a10, 3090, 4090, a100-40, a100-80, h100."),
-    gpu_memory: float = typer.Option(None, help="A card with this many GB instead of a named one."),
+    gpu: str = typer.Option(None, help="A card: t4, v100, 3060, 4060ti, l4, a10, 3090, 4090, a100-40, a100-80, h100 [default: this machine's]."),
+    gpu_memory: float = typer.Option(None, help="A card with this many GB instead of a named one [default: none]."),
     num_generations: int = typer.Option(None, "--num-generations", "-G", help=f"Completions per prompt. {PRESET_HELP}"),
     prompts_per_step: int = typer.Option(None, help=f"Prompts per step. {PRESET_HELP}"),
     max_new_tokens: int = typer.Option(None, help=f"Completion length limit. {PRESET_HELP}"),
@@ -405,7 +405,7 @@ def doctor(
         raise typer.Exit(1)
 
 
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print figures.")
+bench_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Benchmarks that print figures.")
 app.add_typer(bench_app, name="bench")
 
 
@@ -413,7 +413,7 @@ app.add_typer(bench_app, name="bench")
 @clear_errors
 def bench_compare(
     variant: list[str] = typer.Option(..., help="NAME:key=value,key=value (repeat; the first is the baseline)."),
-    set_: list[str] = typer.Option([], "--set", help="key=value for every variant (repeat)."),
+    set_: list[str] = typer.Option([], "--set", help="key=value for every variant (repeat) [default: none]."),
     steps: int = typer.Option(4, help="Steps per run; the first is left out of the medians."),
     rounds: int = typer.Option(1, help="Runs per variant, taken in turns."),
 ) -> None:
@@ -463,7 +463,7 @@ def bench_model_command(
     model: str = typer.Option("smollm2-135m", "--model", help="A preset; random weights of its shape if absent."),
     group: list[int] = typer.Option([4, 8], "--group", "-G", help="Values of G to measure (repeat)."),
     max_new_tokens: list[int] = typer.Option([], help="Completion lengths to measure (repeat); "
-                                                    "default 128 and 512 on a GPU, 32 and 64 on CPU."),
+                                                    "[default: 128 and 512 on a GPU, 32 and 64 on CPU]."),
     steps: int = typer.Option(3, help="Steps per setting; the first is left out."),
     generator: str = typer.Option("auto", help="vllm | hf | auto."),
     random_weights: bool = typer.Option(False, help="Random weights even where the real ones are here: every "

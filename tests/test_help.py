@@ -1,0 +1,36 @@
+"""Every command's --help reads as written: no text eaten as markup, every option with a value shows its
+default, and no line is left dangling (" .")."""
+
+import click
+import pytest
+import typer.main
+from typer.testing import CliRunner
+
+from minigrpo.cli import app
+
+COMMAND = typer.main.get_command(app)
+
+
+def commands(group=COMMAND, path=()):
+    for name, command in group.commands.items():
+        if hasattr(command, "commands"):
+            yield from commands(command, path + (name,))
+        else:
+            yield path + (name,), command
+
+
+@pytest.mark.parametrize("path, command", list(commands()), ids=lambda x: " ".join(x) if isinstance(x, tuple) else "")
+def test_help_shows_every_default(path, command):
+    result = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    text = result.output
+    assert not any(line.rstrip().endswith(" .") for line in text.splitlines()), text
+    assert "\x1b" not in text  # no control characters where the output is not a terminal
+    ctx, missing = click.Context(command, info_name=path[-1]), []
+    for param in command.params:
+        if getattr(param, "param_type_name", "") != "option" or param.is_flag or param.name == "help":
+            continue
+        _, described = param.get_help_record(ctx)  # what --help prints for it
+        if "[default:" not in described and "[required]" not in described:
+            missing.append(f"{param.opts[0]}: {described}")
+    assert not missing, missing
