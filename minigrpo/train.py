@@ -11,10 +11,8 @@ variants (Dr. GRPO, DAPO, BNPO) are settings of two knobs in minigrpo/loss.py, n
 
 from __future__ import annotations
 
-import os
 import random
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -23,16 +21,17 @@ import torch
 
 from minigrpo import checkpoint
 from minigrpo import loss as L
+from minigrpo.check import precheck_rewards
 from minigrpo.config import PRESETS, TrainConfig
 from minigrpo.console import Display
 from minigrpo.generation import Generator
-from minigrpo.model import lora_parameters, pad_batch, seed_everything, token_logprobs
+from minigrpo.hardware import memory_in_use_gb, peak_memory_gb, reserved_memory_gb
+from minigrpo.model import lora_parameters, seed_everything
 from minigrpo.rollout import PromptPool, collect
 from minigrpo.run import RunFolder
-from minigrpo.scoring import score
-from minigrpo.check import precheck_rewards
 from minigrpo.startup import check_lengths, load_for_training
 from minigrpo.tasks import Task, check_sandbox, get_task
+from minigrpo.update import MicroBatches, Update, micro_batches, policy_update
 
 GAP_WARNING = 0.05  # mean |sampler - trainer| log-prob per token above which the engine is out of sync
 
@@ -202,85 +201,40 @@ def out_of_memory_advice(cfg: TrainConfig) -> str:
 
 def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generator, optimizer, scheduler,
                task: Task, weights: list[float], prompts: PromptPool, scaler) -> tuple[dict, list[dict]]:
-    """One GRPO step; returns the step's metrics and its samples."""
-    G = cfg.num_generations
-    t0 = time.perf_counter()
+    """One GRPO step, in its stages; returns the step's metrics and its samples."""
+    clock = {"start": time.perf_counter()}
 
-    # 1. sample G completions per prompt, and score them
+    # 1. rollout: G completions per prompt, scored (with --filter-groups, only groups with spread)
     batch, info = collect(cfg, tokenizer, generator, task, weights, prompts)
-    batch_seconds = (info.pop("generate_s"), info.pop("reward_s"))
-    t_rollout = time.perf_counter()
+    clock["rollout"], clock["generate_s"], clock["reward_s"] = time.perf_counter(), info.pop("generate_s"), \
+        info.pop("reward_s")
     if not batch.rows:  # every group had equal rewards, even after refilling: nothing to learn from
-        return {"step": step, **info, "skipped": 1, "time/step": t_rollout - t0, "time/generate": batch_seconds[0],
-                "mem/peak_gb": peak_memory_gb(), **prompts.metrics()}, []
+        return {"step": step, **info, "skipped": 1, "time/step": clock["rollout"] - clock["start"],
+                "time/generate": clock["generate_s"], "mem/peak_gb": peak_memory_gb(), **prompts.metrics()}, []
 
     # 2. advantages within each group
     rewards = torch.tensor(batch.scores.totals)  # [B]
-    advantages = L.advantages(rewards, G, cfg.scale_rewards)  # [B]
+    advantages = L.advantages(rewards, cfg.num_generations, cfg.scale_rewards)  # [B]
 
-    # 3. loss and backward, micro-batch by micro-batch so memory does not grow with B
+    # 3. policy update: (reference log-probs,) clipped loss, backward, optimizer, micro-batch by micro-batch
     model.train()
-    pairs = [(batch.prompt_ids[i // G], c) for i, c in enumerate(batch.completion_ids)]
-    lengths = torch.tensor([len(c) for c in batch.completion_ids])  # [B]
-    full_mask = torch.arange(lengths.max())[None, :] < lengths[:, None]  # [B, T]
-    if cfg.mask_truncated:
-        full_mask &= ~torch.tensor(batch.truncated)[:, None]  # [B, T]
-    sampler = padded(batch.sampler_logps, full_mask.shape) if batch.sampler_logps is not None else None  # [B, T]
-    chunks = [slice(s, s + cfg.micro_batch_size) for s in range(0, len(pairs), cfg.micro_batch_size)]
-    inputs = [pad_batch(pairs[c], tokenizer.pad_token_id, model.device) for c in chunks]  # (ids, attention, mask)
-    masks = [full_mask[c, :m.shape[1]].to(model.device) & m for c, (_, _, m) in zip(chunks, inputs)]
-
-    old_logps = [None] * len(chunks)
-    if cfg.num_iterations > 1:  # the sampling-time policy, kept fixed across the passes
-        with torch.no_grad():
-            old_logps = [token_logprobs(model, ids, att, m.shape[1], cfg.temperature, cfg.logprob_chunk_size)
-                         for ids, att, m in inputs]
-    ref_logps = [None] * len(chunks)
-    t_reference = time.perf_counter()
-    if cfg.beta > 0:
-        with torch.no_grad(), model.disable_adapter():
-            ref_logps = [token_logprobs(model, ids, att, m.shape[1], cfg.temperature, cfg.logprob_chunk_size)
-                         for ids, att, m in inputs]
-
-    t_reference = time.perf_counter() - t_reference
-    totals = dict.fromkeys(("loss", "kl", "clip_frac", "ratio/mean", "entropy"), 0.0)
-    nonfinite, overflows = False, 0
-    gap_sum, gap_max, grad_norms = 0.0, 0.0, []
-    for iteration in range(cfg.num_iterations):
-        pass_loss = 0.0
-        for c, (ids, attention, _), mask, old, ref in zip(chunks, inputs, masks, old_logps, ref_logps):
-            n = mask.shape[1]
-            logps, entropy = token_logprobs(model, ids, attention, n, cfg.temperature, cfg.logprob_chunk_size,
-                                            with_entropy=True)  # [b, n], [b, n]
-            old = logps.detach() if old is None else old  # one pass: the sampling policy is the current one
-            sampler_logps = sampler[c, :n].to(logps.device) if sampler is not None else None  # [b, n]
-            loss, m = L.policy_loss(logps, old, ref, advantages[c].to(logps.device), mask, epsilon=cfg.epsilon,
-                                    epsilon_high=cfg.epsilon_high, beta=cfg.beta, aggregation=cfg.loss_aggregation,
-                                    max_tokens=cfg.max_new_tokens, sampler_logps=sampler_logps, tis_cap=cfg.tis_cap)
-            weight = L.microbatch_weight(mask, full_mask, cfg.loss_aggregation)
-            scaler.scale(loss * weight).backward()
-            pass_loss += loss.item() * weight
-            if iteration == cfg.num_iterations - 1:  # report the last pass
-                share = mask.sum().item() / max(full_mask.sum().item(), 1)
-                totals["entropy"] += L.masked_mean(entropy, mask) * share
-                for key in ("kl", "clip_frac", "ratio/mean"):
-                    totals[key] += m[key] * share
-            if sampler_logps is not None and iteration == 0:
-                gap = (logps.detach() - sampler_logps).abs()[mask]  # [tokens]
-                gap_sum += gap.sum().item()
-                gap_max = max(gap_max, gap.max().item()) if gap.numel() else gap_max
-        grad_norm, outcome = apply_update(optimizer, scaler, cfg.max_grad_norm, pass_loss)
-        grad_norms.append(grad_norm)
-        overflows += outcome == "overflow"
-        nonfinite |= outcome == "nonfinite"
-        totals["loss"] = pass_loss  # the last pass's
+    mb = micro_batches(cfg, batch, tokenizer.pad_token_id, model.device)
+    update = policy_update(cfg, model, mb, advantages, optimizer, scaler)
     lr = scheduler.get_last_lr()[0]
     scheduler.step()
-    t_sync = time.perf_counter()
-    generator.sync(model)
-    t_end = time.perf_counter()
+    clock["update"] = time.perf_counter()
 
-    # 4. log
+    # 4. the generator gets the new adapter
+    generator.sync(model)
+    clock["sync"] = time.perf_counter()
+
+    # 5. metrics and samples
+    metrics = step_metrics(step, batch, info, rewards, mb, update, lr, clock, scaler, prompts)
+    return metrics, samples_of(step, batch, rewards, advantages, cfg.num_generations)
+
+
+def step_metrics(step: int, batch, info: dict, rewards, mb: MicroBatches, update: Update, lr: float,
+                 clock: dict, scaler, prompts: PromptPool) -> dict:
     metrics = {
         "step": step,
         "reward/mean": rewards.mean().item(),
@@ -289,100 +243,45 @@ def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generat
         **{f"reward/{name}/mean": float(np.mean(values)) for name, values in batch.scores.parts.items()},
         **{f"reward/{name}/errors": count for name, count in batch.scores.errors.items()},
         **info,
-        **totals,
-        "completion_len/mean": lengths.float().mean().item(),
-        "completion_len/max": lengths.max().item(),
+        **update.totals,
+        "completion_len/mean": mb.lengths.float().mean().item(),
+        "completion_len/max": mb.lengths.max().item(),
         "prompt_len/max": max(len(p) for p in batch.prompt_ids),
         "truncated_frac": float(np.mean(batch.truncated)),
         "lr": lr,
-        "grad_norm": float(np.mean(grad_norms)),
-        "time/generate": batch_seconds[0],  # with any extra filter rounds
-        "time/reward": batch_seconds[1],
-        "time/train": t_sync - t_rollout,  # reference pass, forward, backward and optimizer
-        "time/reference": t_reference,
-        "time/sync": t_end - t_sync,
-        "time/step": t_end - t0,
-        "tokens_per_s": info["tokens_generated"] / max(batch_seconds[0], 1e-9),
+        "grad_norm": update.grad_norm,
+        "time/generate": clock["generate_s"],  # with any extra filter rounds
+        "time/reward": clock["reward_s"],
+        "time/train": clock["update"] - clock["rollout"],  # reference pass, forward, backward and optimizer
+        "time/reference": update.reference_s,
+        "time/sync": clock["sync"] - clock["update"],
+        "time/step": clock["sync"] - clock["start"],
+        "tokens_per_s": info["tokens_generated"] / max(clock["generate_s"], 1e-9),
         "mem/peak_gb": peak_memory_gb(),
         **reserved_memory_gb(),
         **prompts.metrics(),
     }
-    if nonfinite:
+    if update.nonfinite:
         metrics["skipped_nonfinite"] = 1
     if scaler.is_enabled():
         metrics["grad_scale"] = scaler.get_scale()
-        metrics["skipped_overflow"] = overflows
-    if sampler is not None:
-        metrics["sampler_logprob_gap/mean"] = gap_sum / max(full_mask.sum().item(), 1)
-        metrics["sampler_logprob_gap/max"] = gap_max
+        metrics["skipped_overflow"] = update.overflows
+    if mb.sampler is not None:
+        metrics["sampler_logprob_gap/mean"] = update.gap_sum / max(mb.full_mask.sum().item(), 1)
+        metrics["sampler_logprob_gap/max"] = update.gap_max
+    return metrics
+
+
+def samples_of(step: int, batch, rewards, advantages, G: int) -> list[dict]:
+    """Every completion with its prompt, reward and parts, and advantage, for samples.jsonl."""
     parts = batch.scores.values | batch.scores.parts
-    samples = [
-        {"step": step, "prompt": batch.rows[i // G]["prompt"], "completion": batch.completions[i],
-         "reward": rewards[i].item(), "reward_parts": {k: v[i] for k, v in parts.items()},
-         "advantage": advantages[i].item(), "truncated": batch.truncated[i]}
-        for i in range(len(batch.completions))
-    ]
-    return metrics, samples
-
-
-def apply_update(optimizer, scaler, max_grad_norm: float, loss: float) -> tuple[float, str]:
-    """Clip and apply the accumulated gradients; returns the gradient norm and "applied", "overflow" (float16
-    gradients overflowed at the scaler's scale: it lowers the scale and the update is skipped, as expected
-    while it calibrates) or "nonfinite" (a NaN or inf that would poison the adapter and adam's moments: skipped,
-    and counted towards --max-bad-steps)."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    scaler.unscale_(optimizer)  # a no-op without float16
-    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf")).item()
-    if np.isfinite(norm) and np.isfinite(loss):
-        scaler.step(optimizer)
-        outcome = "applied"
-    elif np.isfinite(loss) and scaler.is_enabled() and scaler.get_scale() >= 1:
-        outcome = "overflow"
-    else:
-        outcome = "nonfinite"
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return norm, outcome
+    return [{"step": step, "prompt": batch.rows[i // G]["prompt"], "completion": batch.completions[i],
+             "reward": rewards[i].item(), "reward_parts": {k: v[i] for k, v in parts.items()},
+             "advantage": advantages[i].item(), "truncated": batch.truncated[i]}
+            for i in range(len(batch.completions))]
 
 
 def mean_of_present(values: list[float | None]) -> float | None:
     """The mean over the completions a reward applies to (None: does not apply)."""
     present = [v for v in values if v is not None]
     return float(np.mean(present)) if present else None
-
-
-def padded(rows: list[list[float]], shape: tuple[int, int]) -> torch.Tensor:
-    out = torch.zeros(shape)  # [B, T]
-    for i, row in enumerate(rows):
-        out[i, :len(row)] = torch.tensor(row[:shape[1]])
-    return out
-
-
-def peak_memory_gb() -> float:
-    """Peak GPU memory where there is a GPU, else the process's peak resident memory."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    try:
-        import resource
-    except ImportError:  # Windows has no getrusage
-        return 0.0
-    kib_or_bytes = 2**30 if sys.platform == "darwin" else 2**20  # macOS reports bytes, Linux KiB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / kib_or_bytes
-
-
-def reserved_memory_gb() -> dict:
-    """On a GPU, the peak of what torch's allocator reserved from the card (allocated plus its cache): what
-    other users of the card, such as the vLLM engine, could not have. Nothing on a cpu."""
-    if not torch.cuda.is_available():
-        return {}
-    return {"mem/peak_reserved_gb": torch.cuda.max_memory_reserved() / 2**30}
-
-
-def memory_in_use_gb() -> float:
-    """GPU memory allocated now where there is a GPU, else the process's resident set now."""
-    if torch.cuda.is_available():
-        return torch.cuda.memory_allocated() / 2**30
-    try:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
-    except OSError:  # no /proc (macOS): the peak so far is the closest figure
-        return peak_memory_gb()

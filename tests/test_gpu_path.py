@@ -293,7 +293,7 @@ def test_out_of_memory_at_wake_up_is_recognised():
 
 
 def test_gpu_memory_reports_reserved_as_well(monkeypatch):
-    from minigrpo.train import reserved_memory_gb
+    from minigrpo.hardware import reserved_memory_gb
 
     assert reserved_memory_gb() == {}  # a cpu
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -4,7 +4,7 @@ from transformers import AutoModelForCausalLM
 
 from minigrpo.config import TrainConfig
 from minigrpo.model import full_logprobs, load_policy, token_logprobs
-from minigrpo.train import pad_batch
+from minigrpo.model import pad_batch
 
 
 @pytest.fixture(scope="module")

@@ -98,7 +98,7 @@ def test_sigkill_mid_save_leaves_the_last_complete_checkpoint(tmp_path):
 
 
 def test_nan_updates_are_skipped_then_the_run_stops(tmp_path, monkeypatch):
-    T = importlib.import_module("minigrpo.train")  # the module (the package exports a function of that name)
+    T = importlib.import_module("minigrpo.update")  # where the training pass computes its log-probs
 
     real = T.token_logprobs
 

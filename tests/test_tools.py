@@ -11,7 +11,7 @@ from minigrpo import TrainConfig, train
 from minigrpo.cli import app
 from minigrpo.model import load_trained, token_logprobs
 from minigrpo.rollout import render_prompt
-from minigrpo.train import pad_batch
+from minigrpo.model import pad_batch
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from minigrpo.config import TrainConfig  # noqa: E402
 from minigrpo.generation import Sampling  # noqa: E402
 from minigrpo.model import load_policy, load_tokenizer, token_logprobs  # noqa: E402
 from minigrpo.rollout import render_prompt  # noqa: E402
-from minigrpo.train import pad_batch  # noqa: E402
+from minigrpo.model import pad_batch  # noqa: E402
 from minigrpo.vllm_engine import VLLMGenerator  # noqa: E402
 
 TOL = 2e-3  # mean |engine - trainer| log-prob per token; fp32 on both sides, same dequantized base

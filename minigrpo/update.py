@@ -1,0 +1,137 @@
+"""The policy update of one step: the completions as padded micro-batches, the log-probs held fixed (the
+sampling-time policy across several passes, the reference for the KL), then the clipped loss, backward and
+the optimizer, pass by pass. One micro-batch's activations at a time: memory does not grow with the batch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from minigrpo import loss as L
+from minigrpo.config import TrainConfig
+from minigrpo.model import pad_batch, token_logprobs
+from minigrpo.rollout import Groups
+
+
+@dataclass
+class MicroBatches:
+    chunks: list[slice]  # which completions each micro-batch holds
+    inputs: list[tuple]  # per micro-batch: (ids [b, L], attention [b, L], completion mask [b, n])
+    masks: list[torch.Tensor]  # per micro-batch [b, n]: the tokens that count
+    full_mask: torch.Tensor  # [B, T]
+    lengths: torch.Tensor  # [B] completion lengths
+    sampler: torch.Tensor | None  # [B, T] the generator's log-probs, where it reports them
+
+
+def micro_batches(cfg: TrainConfig, batch: Groups, pad_id: int, device) -> MicroBatches:
+    G = cfg.num_generations
+    pairs = [(batch.prompt_ids[i // G], c) for i, c in enumerate(batch.completion_ids)]
+    lengths = torch.tensor([len(c) for c in batch.completion_ids])  # [B]
+    full_mask = torch.arange(lengths.max())[None, :] < lengths[:, None]  # [B, T]
+    if cfg.mask_truncated:
+        full_mask &= ~torch.tensor(batch.truncated)[:, None]  # [B, T]
+    sampler = padded(batch.sampler_logps, full_mask.shape) if batch.sampler_logps is not None else None  # [B, T]
+    chunks = [slice(s, s + cfg.micro_batch_size) for s in range(0, len(pairs), cfg.micro_batch_size)]
+    inputs = [pad_batch(pairs[c], pad_id, device) for c in chunks]
+    masks = [full_mask[c, :m.shape[1]].to(device) & m for c, (_, _, m) in zip(chunks, inputs)]
+    return MicroBatches(chunks, inputs, masks, full_mask, lengths, sampler)
+
+
+def fixed_logps(cfg: TrainConfig, model, mb: MicroBatches, reference: bool) -> list[torch.Tensor]:
+    """Per micro-batch [b, n], without gradients: the current policy's, or the reference's (adapters off)."""
+    def all_logps():
+        return [token_logprobs(model, ids, att, m.shape[1], cfg.temperature, cfg.logprob_chunk_size)
+                for ids, att, m in mb.inputs]
+
+    with torch.no_grad():
+        if not reference:
+            return all_logps()
+        with model.disable_adapter():
+            return all_logps()
+
+
+@dataclass
+class Update:
+    totals: dict  # loss (the last pass's), and kl, clip_frac, ratio/mean, entropy over the last pass
+    grad_norm: float = 0.0  # mean over the passes
+    overflows: int = 0  # float16 updates skipped while the scaler calibrates
+    nonfinite: bool = False  # an update skipped for a NaN or inf
+    gap_sum: float = 0.0  # sum over tokens of |trainer - sampler| log-prob, first pass
+    gap_max: float = 0.0
+    reference_s: float = 0.0
+    grad_norms: list[float] = field(default_factory=list)
+
+
+def policy_update(cfg: TrainConfig, model, mb: MicroBatches, advantages: torch.Tensor, optimizer,
+                  scaler) -> Update:
+    """num_iterations passes over the micro-batches, one optimizer step each."""
+    n_chunks = len(mb.chunks)
+    # the sampling-time policy, kept fixed across the passes (one pass: it is the current one)
+    old_logps = fixed_logps(cfg, model, mb, reference=False) if cfg.num_iterations > 1 else [None] * n_chunks
+    start = time.perf_counter()
+    ref_logps = fixed_logps(cfg, model, mb, reference=True) if cfg.beta > 0 else [None] * n_chunks
+    update = Update(dict.fromkeys(("loss", "kl", "clip_frac", "ratio/mean", "entropy"), 0.0),
+                    reference_s=time.perf_counter() - start)
+    all_tokens = max(mb.full_mask.sum().item(), 1)
+    for iteration in range(cfg.num_iterations):
+        last = iteration == cfg.num_iterations - 1
+        pass_loss = 0.0
+        for c, (ids, attention, _), mask, old, ref in zip(mb.chunks, mb.inputs, mb.masks, old_logps, ref_logps):
+            n = mask.shape[1]
+            logps, entropy = token_logprobs(model, ids, attention, n, cfg.temperature, cfg.logprob_chunk_size,
+                                            with_entropy=True)  # [b, n], [b, n]
+            old = logps.detach() if old is None else old
+            sampler = mb.sampler[c, :n].to(logps.device) if mb.sampler is not None else None  # [b, n]
+            loss, m = L.policy_loss(logps, old, ref, advantages[c].to(logps.device), mask, epsilon=cfg.epsilon,
+                                    epsilon_high=cfg.epsilon_high, beta=cfg.beta, aggregation=cfg.loss_aggregation,
+                                    max_tokens=cfg.max_new_tokens, sampler_logps=sampler, tis_cap=cfg.tis_cap)
+            weight = L.microbatch_weight(mask, mb.full_mask, cfg.loss_aggregation)
+            scaler.scale(loss * weight).backward()
+            pass_loss += loss.item() * weight
+            if last:  # report the last pass
+                share = mask.sum().item() / all_tokens
+                update.totals["entropy"] += L.masked_mean(entropy, mask) * share
+                for key in ("kl", "clip_frac", "ratio/mean"):
+                    update.totals[key] += m[key] * share
+            if sampler is not None and iteration == 0:
+                gap = (logps.detach() - sampler).abs()[mask]  # [tokens]
+                update.gap_sum += gap.sum().item()
+                update.gap_max = max(update.gap_max, gap.max().item()) if gap.numel() else update.gap_max
+        grad_norm, outcome = apply_update(optimizer, scaler, cfg.max_grad_norm, pass_loss)
+        update.grad_norms.append(grad_norm)
+        update.overflows += outcome == "overflow"
+        update.nonfinite |= outcome == "nonfinite"
+        update.totals["loss"] = pass_loss  # the last pass's
+    update.grad_norm = float(np.mean(update.grad_norms))
+    return update
+
+
+def apply_update(optimizer, scaler, max_grad_norm: float, loss: float) -> tuple[float, str]:
+    """Clip and apply the accumulated gradients; returns the gradient norm and "applied", "overflow" (float16
+    gradients overflowed at the scaler's scale: it lowers the scale and the update is skipped, as expected
+    while it calibrates) or "nonfinite" (a NaN or inf that would poison the adapter and adam's moments: skipped,
+    and counted towards --max-bad-steps)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    scaler.unscale_(optimizer)  # a no-op without float16
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf")).item()
+    if np.isfinite(norm) and np.isfinite(loss):
+        scaler.step(optimizer)
+        outcome = "applied"
+    elif np.isfinite(loss) and scaler.is_enabled() and scaler.get_scale() >= 1:
+        outcome = "overflow"
+    else:
+        outcome = "nonfinite"
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return norm, outcome
+
+
+def padded(rows: list[list[float]], shape: tuple[int, int]) -> torch.Tensor:
+    out = torch.zeros(shape)  # [B, T]
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = torch.tensor(row[:shape[1]])
+    return out
