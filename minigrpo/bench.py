@@ -384,30 +384,3 @@ def bench_model(preset: str, groups=(4, 8), lengths=None, steps: int = 3, genera
 
 
 PLAN_GROUPS, PLAN_LENGTHS = (4, 8, 16), (256, 512, 1024, 2048)
-
-
-def sandbox_overhead(runs: int = 40, console: Console | None = None) -> dict:
-    """Milliseconds per program: a bare `python -I -S` running it, against the sandbox with every layer
-    this machine has (the same program and tests), taken in turns."""
-    from minigrpo.sandbox import describe, layers, run_tests
-
-    console = console or Console()
-    program = "def add(a, b):\n    return a + b\n"
-    tests = [([2, 3], 5), ([10, -4], 6), ([0, 0], 0)]
-    bare_code = program + "import json\nprint(json.dumps([add(*args) for args in [[2, 3], [10, -4], [0, 0]]]))\n"
-    bare, boxed = [], []
-    for _ in range(runs):
-        start = time.perf_counter()
-        subprocess.run([sys.executable, "-I", "-S", "-c", bare_code], capture_output=True, check=True)
-        bare.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        assert run_tests(program, "add", tests).reason == "ok"
-        boxed.append(time.perf_counter() - start)
-    figures = {"bare_ms": 1000 * statistics.median(bare), "sandbox_ms": 1000 * statistics.median(boxed)}
-    table = Table(title=f"one program, 3 tests, median of {runs} ({describe(layers())})")
-    for column in ("bare python -I -S", "sandbox", "overhead"):
-        table.add_column(column, justify="right")
-    table.add_row(f"{figures['bare_ms']:.1f} ms", f"{figures['sandbox_ms']:.1f} ms",
-                  f"{figures['sandbox_ms'] - figures['bare_ms']:.1f} ms")
-    console.print(table)
-    return figures

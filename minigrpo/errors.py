@@ -1,0 +1,33 @@
+"""How a command ends on a user's mistake: one line naming it, exit status 1, no traceback."""
+
+from __future__ import annotations
+
+import functools
+
+import typer
+from rich.console import Console
+
+from minigrpo.scoring import RewardError
+
+
+def clear_errors(command):
+    """A user's mistake (a bad flag value, file, reward, or a machine that cannot run the request) ends the
+    command with one line naming it and exit status 1, not a traceback."""
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except Exception as error:
+            if isinstance(error, typer.BadParameter) or not is_user_error(error):
+                raise
+            Console(stderr=True).print(f"[bold red]error[/]: {error}", highlight=False)
+            raise typer.Exit(1) from None
+
+    return run
+
+
+def is_user_error(error: Exception) -> bool:
+    from minigrpo.sandbox import SandboxError
+    from minigrpo.startup import SetupError  # imported only here: it brings torch
+
+    return isinstance(error, (RewardError, ValueError, FileNotFoundError, SetupError, SandboxError))
