@@ -49,7 +49,7 @@ def parse_settings(items: list[str]) -> dict:
 def run_variant(settings: dict, env: dict | None = None) -> list[dict]:
     """Train in a fresh process with these settings (and extra environment variables); its per-step metrics."""
     with tempfile.TemporaryDirectory(prefix="minigrpo-bench-") as tmp:
-        cfg = dict(settings, output_dir=str(Path(tmp) / "run"), sample_every=0)
+        cfg = dict(settings, output_dir=str(Path(tmp) / "run"), sample_every=0, eval_before_after=False)
         code = ("import json, sys; from minigrpo import TrainConfig, train; "
                 "train(TrainConfig(**json.loads(sys.argv[1])))")
         subprocess.run([sys.executable, "-c", code, json.dumps(cfg)], check=True,

@@ -55,7 +55,9 @@ def train(
     filter_groups: bool = typer.Option(False, help="Drop groups with equal rewards and draw more prompts (DAPO)."),
     max_filter_rounds: int = typer.Option(3, help="Extra generation rounds per step at most, with --filter-groups."),
     retire_solved: int = typer.Option(0, help="Retire a prompt solved by every completion on K visits in a row."),
-    eval_every: int = typer.Option(0, help="Evaluate on the held-out split every N steps (0: never)."),
+    eval_before_after: bool = typer.Option(True, help="A fast greedy evaluation on held-out prompts at step 0 and "
+                                                      "at the end, and the before/after line."),
+    eval_every: int = typer.Option(0, help="A full evaluation (greedy and sampled) every N steps (0: never)."),
     eval_prompts: int = typer.Option(64, help="Held-out prompts per evaluation."),
     eval_samples: int = typer.Option(4, help="Samples per held-out prompt for the mean reward."),
     lora_rank: int = typer.Option(None, help=f"LoRA rank (alpha = 2 x rank). {PRESET_HELP}"),
@@ -106,7 +108,7 @@ def train(
                 scale_rewards=scale_rewards, loss_aggregation=loss_aggregation, epsilon=epsilon,
                 epsilon_high=epsilon_high, num_iterations=num_iterations, mask_truncated=mask_truncated,
                 filter_groups=filter_groups, max_filter_rounds=max_filter_rounds, retire_solved=retire_solved,
-                eval_every=eval_every, eval_prompts=eval_prompts, eval_samples=eval_samples, lora_rank=lora_rank,
+                eval_before_after=eval_before_after, eval_every=eval_every, eval_prompts=eval_prompts, eval_samples=eval_samples, lora_rank=lora_rank,
                 temperature=temperature, top_p=top_p, micro_batch_size=micro_batch_size, generator=generator,
                 gpu_memory_utilization=gpu_memory_utilization, tis_cap=tis_cap, seed=seed,
                 load_in_4bit=load_in_4bit, dtype=dtype, gradient_checkpointing=not no_gradient_checkpointing,
@@ -134,6 +136,7 @@ def eval_command(
     """Evaluate the base model or a trained adapter on the task's held-out split: pass@1 and mean reward."""
     from pathlib import Path
 
+    from minigrpo.console import describe_eval
     from minigrpo.evaluate import Evaluator
     from minigrpo.generation import HFGenerator
     from minigrpo.model import adapter_folder, load_trained, seed_everything
@@ -150,9 +153,7 @@ def eval_command(
     seed_everything(cfg.seed)
     result = Evaluator(cfg, t, t.weights, tokenizer, HFGenerator(policy, tokenizer), folder)(None)
     Console().print(f"{f'adapter {adapter}' if adapter else 'base model ' + cfg.model} on {t.name}: "
-                    f"pass@1 {result['pass@1']:.3f} ± {result['pass@1/stderr']:.3f}, mean reward "
-                    f"{result['reward/mean']:.3f} ± {result['reward/stderr']:.3f} "
-                    f"({result['prompts']} prompts x {result['samples_per_prompt']} samples)", highlight=False)
+                    f"{describe_eval(result)}", highlight=False)
 
 
 @app.command()

@@ -96,7 +96,8 @@ class TrainConfig:
     solved_reward: float = 1.0  # the total reward at which a completion counts as solved
 
     # evaluation on the task's held-out split
-    eval_every: int = 0  # evaluate every this many steps (and at the end); 0 never
+    eval_before_after: bool = True  # a greedy held-out evaluation at step 0 and at the end (fast; on by default)
+    eval_every: int = 0  # a full evaluation (greedy and sampled) every this many steps, at 0 and the end; 0 never
     eval_prompts: int = 64  # held-out prompts per evaluation (at most the split's size)
     eval_samples: int = 4  # samples per prompt for the mean reward (plus one greedy for pass@1)
 

@@ -1,22 +1,31 @@
-"""What a run shows while it trains: a progress bar with ETA, one line per step, and now and then a
-sampled completion with its reward parts, because the model's words say more than its numbers."""
+"""What a run shows while it trains: one line per step (the reward with its moving mean beside it, since a
+step's reward of a few samples is noise), a progress bar with ETA where the output is a terminal, now and then
+a sampled completion with its reward parts, and at the end the held-out before and after."""
 
 from __future__ import annotations
+
+from collections import deque
 
 from rich.console import Console
 from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.text import Text
 
+SMOOTHING = 10  # steps in the moving mean of the reward
+
 
 class Display:
     def __init__(self, total_steps: int, console: Console | None = None):
-        self.console = console or Console()
+        # not a terminal (CI, a notebook, `| tee`): plain lines, no progress bar, no wrapping, no colour codes
+        self.console = console or Console(soft_wrap=True)
+        self.terminal = self.console.is_terminal
         self.progress = Progress(
-            TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TextColumn("eta"), TimeRemainingColumn(), console=self.console, transient=False,
+            disable=not self.terminal,
         )
-        self.task = self.progress.add_task("train", total=total_steps)
+        self.task = self.progress.add_task("training", total=total_steps)
+        self.rewards: deque[float] = deque(maxlen=SMOOTHING)
 
     def __enter__(self) -> "Display":
         self.progress.start()
@@ -28,30 +37,55 @@ class Display:
     def print(self, *args, **kwargs) -> None:
         self.progress.console.print(*args, **kwargs)
 
+    def stage(self, step: int) -> None:
+        """What is happening now, on the progress bar (the first step on a cpu takes a while)."""
+        self.progress.update(self.task, description=f"step {step}: generating, scoring, updating")
+
     def step(self, m: dict) -> None:
         if m.get("skipped"):
             self.print(f"step {m['step']:>4}  skipped: no group had reward spread after "
                        f"{m['filter/extra_rounds']} extra rounds", highlight=False)
             self.progress.update(self.task, completed=m["step"])
             return
-        line = (f"step {m['step']:>4}  reward {m['reward/mean']:.3f} ± {m['reward/std']:.3f}  "
+        self.rewards.append(m["reward/mean"])
+        smooth = sum(self.rewards) / len(self.rewards)
+        line = (f"step {m['step']:>4}  reward {m['reward/mean']:.3f} (mean of last {len(self.rewards)}: {smooth:.3f})  "
                 f"spread {m['frac_groups_reward_differs']:.2f}  loss {m['loss']:+.4f}  kl {m['kl']:.4f}  "
                 f"len {m['completion_len/mean']:.0f}  {m['time/step']:.1f}s  {m['mem/peak_gb']:.1f}GB")
         self.print(line, highlight=False)
-        self.progress.update(self.task, completed=m["step"])
+        self.progress.update(self.task, completed=m["step"], description="training")
 
     def eval(self, r: dict) -> None:
-        self.print(f"[bold]eval[/] step {r['step']}: pass@1 {r['pass@1']:.3f} ± {r['pass@1/stderr']:.3f}  "
-                   f"mean reward {r['reward/mean']:.3f} ± {r['reward/stderr']:.3f} "
-                   f"({r['prompts']} held-out prompts x {r['samples_per_prompt']} samples)", highlight=False)
+        self.print(f"[bold]held-out[/] step {r['step']}: {describe_eval(r)}", highlight=False)
+
+    def before_after(self, evals: list[dict]) -> None:
+        """The line a first run must not miss: what training did on prompts it never saw."""
+        first, last = (evals[0], evals[-1]) if evals else (None, None)
+        if not evals or first["step"] != 0 or last["step"] == 0:
+            return
+        self.print(f"[bold green]held-out, {first['prompts']} prompts never trained on: pass@1 {first['pass@1']:.3f} "
+                   f"-> {last['pass@1']:.3f}, greedy mean reward {first['greedy_reward/mean']:.3f} -> "
+                   f"{last['greedy_reward/mean']:.3f} (step 0 -> {last['step']})[/]", highlight=False)
 
     def sample(self, step: int, sample: dict) -> None:
         # None: the reward does not apply to this sample
         parts = "  ".join(f"{k} {'n/a' if v is None else f'{v:.2f}'}" for k, v in sample["reward_parts"].items())
+        title = f"step {step} sample: reward {sample['reward']:.2f} ({parts}), advantage {sample['advantage']:+.2f}"
+        if not self.terminal:
+            self.print(f"{title}\n  prompt: {sample['prompt']}\n  completion: {sample['completion']}", highlight=False,
+                       markup=False)
+            return
         body = Text()
         body.append("prompt: ", style="bold")
-        body.append(sample["prompt"] + "\n")
+        body.append(f"{sample['prompt']}\n")
         body.append("completion: ", style="bold")
         body.append(sample["completion"])
-        title = f"step {step} sample: reward {sample['reward']:.2f} ({parts}), advantage {sample['advantage']:+.2f}"
         self.print(Panel(body, title=title, title_align="left"))
+
+
+def describe_eval(r: dict) -> str:
+    n = r["samples_per_prompt"]
+    reward = f"mean reward {r['reward/mean']:.3f} ± {r['reward/stderr']:.3f}" if n else \
+        f"greedy mean reward {r['greedy_reward/mean']:.3f}"
+    return (f"pass@1 {r['pass@1']:.3f} ± {r['pass@1/stderr']:.3f}  {reward}  "
+            f"({r['prompts']} prompts{f' x {n} samples' if n else ', greedy'})")

@@ -32,20 +32,23 @@ class Evaluator:
             raise ValueError(f"task {task.name} has no held-out rows to evaluate on")
         self.out = Path(out_dir) / "eval.jsonl" if out_dir else None
 
-    def __call__(self, step: int | None = None) -> dict:
+    def __call__(self, step: int | None = None, with_samples: bool = True) -> dict:
+        """pass@1 (greedy) and the mean reward of eval_samples samples per prompt; without samples, the mean
+        reward is the greedy completions' (fast: the before/after every run gets)."""
         from minigrpo.rollout import render_prompt
 
         start = time.perf_counter()
         prompt_ids = [self.tokenizer(render_prompt(self.tokenizer, r["prompt"]), add_special_tokens=False).input_ids
                       for r in self.rows]
         greedy = self._totals(prompt_ids, Sampling(1, self.cfg.max_new_tokens, temperature=0.0))
-        n = self.cfg.eval_samples
-        sampled = self._totals(prompt_ids, Sampling(n, self.cfg.max_new_tokens, self.cfg.temperature, self.cfg.top_p))
+        n = self.cfg.eval_samples if with_samples else 1
+        sampled = self._totals(prompt_ids, Sampling(n, self.cfg.max_new_tokens, self.cfg.temperature,
+                                                    self.cfg.top_p)) if with_samples else greedy
         # per-prompt means first, so the standard error is over prompts, the independent unit
         per_prompt = [statistics.fmean(sampled[i * n:(i + 1) * n]) for i in range(len(self.rows))]
         solved = [float(t >= self.cfg.solved_reward) for t in greedy]
         result = {
-            "step": step, "prompts": len(self.rows), "samples_per_prompt": n,
+            "step": step, "prompts": len(self.rows), "samples_per_prompt": n if with_samples else 0,
             "pass@1": statistics.fmean(solved), "pass@1/stderr": stderr(solved),
             "reward/mean": statistics.fmean(per_prompt), "reward/stderr": stderr(per_prompt),
             "greedy_reward/mean": statistics.fmean(greedy), "time/eval": time.perf_counter() - start,

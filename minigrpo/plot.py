@@ -52,7 +52,9 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
             ys = [e[key] for e in evals]
             errs = [e.get(key + "/stderr" if key == "pass@1" else "reward/stderr", 0) for e in evals]
             ax.errorbar([e["step"] for e in evals], ys, yerr=errs, marker="o", capsize=3, label=label)
-        ax.set_title(f"held-out evaluation ({evals[0]['prompts']} prompts x {evals[0]['samples_per_prompt']} samples)")
+        n = max(e["samples_per_prompt"] for e in evals)
+        ax.set_title(f"held-out evaluation ({evals[0]['prompts']} prompts, "
+                     f"{f'{n} samples each' if n else 'greedy'})")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     for ax, (title, series) in zip(axes[bool(evals):], panels):

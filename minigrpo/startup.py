@@ -100,6 +100,7 @@ def load_for_training(cfg: TrainConfig, say=print) -> Loaded:
 
 
 def _load(cfg: TrainConfig, weights: str, tokenizer, dtype: torch.dtype, plan: Plan, say) -> Loaded:
+    say(f"loading {cfg.model}{' (4-bit)' if cfg.load_in_4bit else ''} and adding LoRA adapters (rank {cfg.lora_rank})")
     model = load_policy(cfg, weights, dtype)
     generator = make_generator(cfg, model, tokenizer, plan, dtype, say)
     return Loaded(model, tokenizer, generator, dtype, plan)

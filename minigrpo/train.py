@@ -27,6 +27,7 @@ from minigrpo.console import Display
 from minigrpo.generation import Generator
 from minigrpo.hardware import memory_in_use_gb, peak_memory_gb, reserved_memory_gb
 from minigrpo.model import lora_parameters, seed_everything
+from minigrpo.plot import read_jsonl
 from minigrpo.rollout import PromptPool, collect
 from minigrpo.run import RunFolder
 from minigrpo.startup import check_lengths, load_for_training
@@ -76,10 +77,11 @@ def _train(cfg, resume, task, weights, train_rows, run, display, model, tokenize
     scaler = torch.amp.GradScaler(model.device.type, enabled=dtype == torch.float16)
     prompts = PromptPool(train_rows, cfg.seed, cfg.retire_solved)
     evaluate = None
-    if cfg.eval_every:
+    if cfg.eval_every or cfg.eval_before_after:
         from minigrpo.evaluate import Evaluator
 
         evaluate = Evaluator(cfg, task, weights, tokenizer, generator, run.path)
+    full = bool(cfg.eval_every)  # sampled as well as greedy; the before/after alone is greedy
     loaded_gb = memory_in_use_gb()  # the model, the engine and the data: what a step's peak stands on
     done = 0
     if resume:
@@ -89,7 +91,7 @@ def _train(cfg, resume, task, weights, train_rows, run, display, model, tokenize
         display.print(f"resumed from {found} (step {done})")
 
     if evaluate and done == 0:
-        display.eval(evaluate(0))  # before any training: the baseline every later evaluation is read against
+        display.eval(evaluate(0, full))  # before any training: the baseline every later evaluation is read against
 
     def save(at: int) -> Path:
         return checkpoint.save(run.path, at, model, optimizer, scheduler, prompts, generator, cfg.keep, scaler)
@@ -99,6 +101,7 @@ def _train(cfg, resume, task, weights, train_rows, run, display, model, tokenize
     try:
         with display, stop:
             for step in range(done + 1, cfg.steps + 1):
+                display.stage(step)
                 try:
                     metrics, samples = train_step(cfg, step, model, tokenizer, generator, optimizer, scheduler,
                                                   task, weights, prompts, scaler)
@@ -111,23 +114,11 @@ def _train(cfg, resume, task, weights, train_rows, run, display, model, tokenize
                 metrics["mem/loaded_gb"] = loaded_gb
                 run.log(metrics, samples)
                 display.step(metrics)
-                bad_in_a_row = bad_in_a_row + 1 if metrics.get("skipped_nonfinite") else 0
-                if bad_in_a_row:
-                    display.print(f"[yellow]warning[/]: step {step}: the loss or gradient was NaN or inf; "
-                                  f"the update was skipped ({bad_in_a_row} in a row)")
-                if bad_in_a_row >= cfg.max_bad_steps:
-                    save(step)
-                    raise RuntimeError(f"{bad_in_a_row} steps in a row had a NaN or inf loss or gradient: lower "
-                                       f"--learning-rate (now {cfg.learning_rate:g}) or check the rewards for "
-                                       f"extreme values; the last good state is saved in {run.path}")
-                if metrics.get("sampler_logprob_gap/mean", 0.0) > GAP_WARNING:
-                    display.print(f"[bold red]warning[/]: the generator's log-probs differ from the trainer's by "
-                                  f"{metrics['sampler_logprob_gap/mean']:.3f} per token on average: its weights "
-                                  f"are stale or wrong, and samples are off-policy")
+                bad_in_a_row = check_health(cfg, metrics, bad_in_a_row, display, lambda: save(step), run.path)
                 if cfg.sample_every and samples and (step == 1 or step % cfg.sample_every == 0):
                     display.sample(step, random.Random(step).choice(samples))
-                if evaluate and (step % cfg.eval_every == 0 or step == cfg.steps):
-                    display.eval(evaluate(step))
+                if evaluate and (step == cfg.steps or (full and step % cfg.eval_every == 0)):
+                    display.eval(evaluate(step, full))
                 if stop.requested:
                     save(step)
                     display.print(f"[yellow]stopped after step {step} ({stop.requested}); checkpoint saved. "
@@ -144,7 +135,27 @@ def _train(cfg, resume, task, weights, train_rows, run, display, model, tokenize
         raise
     adapter = run.save_adapter(model)
     display.print(f"adapter saved to {adapter}")
+    display.before_after(read_jsonl(run.path / "eval.jsonl"))
     return run.path
+
+
+def check_health(cfg: TrainConfig, metrics: dict, bad_in_a_row: int, display: Display, save, where: Path) -> int:
+    """Warn about a skipped NaN update (and stop after max_bad_steps in a row, saved) and about a generator
+    whose log-probs drift from the trainer's; returns the NaN steps in a row so far."""
+    bad_in_a_row = bad_in_a_row + 1 if metrics.get("skipped_nonfinite") else 0
+    if bad_in_a_row:
+        display.print(f"[yellow]warning[/]: step {metrics['step']}: the loss or gradient was NaN or inf; "
+                      f"the update was skipped ({bad_in_a_row} in a row)")
+    if bad_in_a_row >= cfg.max_bad_steps:
+        save()
+        raise RuntimeError(f"{bad_in_a_row} steps in a row had a NaN or inf loss or gradient: lower "
+                           f"--learning-rate (now {cfg.learning_rate:g}) or check the rewards for "
+                           f"extreme values; the last good state is saved in {where}")
+    if metrics.get("sampler_logprob_gap/mean", 0.0) > GAP_WARNING:
+        display.print(f"[bold red]warning[/]: the generator's log-probs differ from the trainer's by "
+                      f"{metrics['sampler_logprob_gap/mean']:.3f} per token on average: its weights "
+                      f"are stale or wrong, and samples are off-policy")
+    return bad_in_a_row
 
 
 class StopRequest:

@@ -22,7 +22,7 @@ from minigrpo.scoring import RewardError, score
 from minigrpo.tasks import get_task, read_rows
 
 ROWS = [{"prompt": "p1", "answer": "a"}, {"prompt": "p2", "answer": "b"}]
-FAST = ["-G", "2", "--prompts-per-step", "2", "--max-new-tokens", "8"]
+FAST = ["-G", "2", "--prompts-per-step", "2", "--max-new-tokens", "8", "--no-eval-before-after"]
 
 
 def cli(*args):

@@ -18,6 +18,7 @@ from minigrpo import checkpoint
 from minigrpo.train import is_out_of_memory, out_of_memory_advice
 
 SMALL = dict(num_generations=2, prompts_per_step=2, max_new_tokens=8, sample_every=0, seed=5, save_every=1,
+             eval_before_after=False,
              learning_rate=1e-3)
 VOLATILE = ("time/", "mem/", "tokens_per_s")
 

@@ -22,7 +22,12 @@ def test_train_two_steps_end_to_end(tmp_path, tiny_model_path):
         "--beta", "0.04", "--seed", "1", "--sample-every", "1", "--4bit",
     ])
     assert result.exit_code == 0, result.output
-    assert "step    2" in result.output and "sample" in result.output
+    assert "step    2" in result.output and "sample" in result.output and "(mean of last 2:" in result.output
+    # the before/after every run ends with, on held-out prompts, greedy (fast), and no terminal codes here
+    assert "held-out, 64 prompts never trained on: pass@1" in result.output and "(step 0 -> 2)" in result.output
+    assert "\x1b" not in result.output and "\r" not in result.output
+    evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["samples_per_prompt"]) for e in evals] == [(0, 0), (2, 0)]
 
     config = json.loads((out / "config.json").read_text())
     assert config["steps"] == 2 and config["num_generations"] == 4 and config["load_in_4bit"] is True
