@@ -311,7 +311,8 @@ def export(
         shutil.copytree(adapter, out, dirs_exist_ok=True)
         Console().print(f"copied the adapter to {out}")
         return
-    from minigrpo.model import export_weights, load_trained
+    from minigrpo.export import export_weights
+    from minigrpo.model import load_trained
 
     policy, tokenizer, _ = load_trained(adapter)
     export_weights(policy, tokenizer, Path(out), getattr(torch, dtype), merge_adapter=True)

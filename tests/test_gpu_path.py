@@ -426,7 +426,8 @@ EXPORT_CHILD = """
 import json, sys, torch
 from minigrpo.bench import extra_memory_gb
 from minigrpo.config import TrainConfig
-from minigrpo.model import export_weights, load_policy, load_tokenizer
+from minigrpo.export import export_weights
+from minigrpo.model import load_policy, load_tokenizer
 path, out = sys.argv[1], sys.argv[2]
 policy = load_policy(TrainConfig(lora_rank=8, load_in_4bit=False), path, torch.float32)
 tokenizer = load_tokenizer(path)
