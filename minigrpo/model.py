@@ -13,6 +13,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -193,6 +194,7 @@ def load_base(weights: str, load_in_4bit: bool, dtype: torch.dtype):
 
 def load_policy(cfg: TrainConfig, weights: str, dtype: torch.dtype | None = None):
     """The base model (nf4 or 16-bit) with fresh LoRA adapters on every block projection."""
+    quiet_libraries()  # before peft, which imports bitsandbytes
     from peft import LoraConfig, get_peft_model
 
     base = load_base(weights, cfg.load_in_4bit, dtype or default_dtype(cfg.dtype))
@@ -204,12 +206,20 @@ def load_policy(cfg: TrainConfig, weights: str, dtype: torch.dtype | None = None
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
     if cfg.gradient_checkpointing:
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # the current name where transformers has it (its old name warns that it goes away in v6)
+        enable = getattr(base, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         base.enable_input_require_grads()
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
                       target_modules=[t for t in LORA_TARGETS if _has_module(base, t)],
                       task_type="CAUSAL_LM")
-    return get_peft_model(base, lora)
+    with warnings.catch_warnings():
+        # PEFT reads the old property name, which newer transformers deprecate: nothing for a user to act on
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(base, lora)
 
 
 def _has_module(model, suffix: str) -> bool:
@@ -305,6 +315,7 @@ def adapter_folder(path: str | Path) -> Path:
 def load_trained(adapter: str | Path | None, model: str | None = None, **overrides):
     """A run's policy for sampling or export: its base (as the run loaded it) with the trained adapter.
     Returns (model, tokenizer, config)."""
+    quiet_libraries()  # before peft, which imports bitsandbytes
     from peft import PeftModel
 
     if adapter:
