@@ -67,13 +67,19 @@ def test_exiting_or_interrupting_reward_code_is_a_reward_error():
 
 
 def test_a_real_ctrl_c_during_a_reward_still_interrupts():
+    # Python's own Ctrl-C handler, as in a terminal (a shell's background job starts with SIGINT ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+
     def slow(prompts, completions, **kw):
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(5)
         return [1.0] * len(completions)
 
-    with pytest.raises(KeyboardInterrupt):
-        score([slow], [1.0], ["p1", "p2"], ["a", "b"], [[], []], ROWS)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            score([slow], [1.0], ["p1", "p2"], ["a", "b"], [[], []], ROWS)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_rewards_get_copies_of_what_they_are_given():
