@@ -188,12 +188,21 @@ def _refusal(found: dict, missing: list[str]) -> str:
             f"Landlock (5.13+), or pass --allow-unconfined-code to run it with only what this machine has")
 
 
-def _kill_group(child: subprocess.Popen) -> None:
+def _kill_group(child: subprocess.Popen, patience: float = 5.0) -> None:
+    """Kill the child's process group and return once none of it is left: the program's process (pid 1 of
+    its namespace, a grandchild here) takes a moment to go, its namespaces torn down after it."""
     try:
         os.killpg(child.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     child.wait()
+    deadline = time.monotonic() + patience
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(child.pid, 0)  # anyone left in the group? (the group's id stays taken while it has members)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.005)
 
 
 def overhead(runs: int = 40) -> dict:

@@ -211,7 +211,6 @@ def _snapshot(out: Path, lib: Path) -> dict:
 
 
 def _sandbox_processes() -> list[int]:
-    time.sleep(0.05)  # the kernel reaps a killed pid namespace asynchronously
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
