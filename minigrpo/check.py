@@ -81,6 +81,11 @@ def print_report(reports: list[dict], title: str, console: Console) -> None:
             console.print(f"[yellow]warning[/]: {r['function']}: {warning}", highlight=False)
 
 
+def stand_ins(rows: list[dict]) -> list[dict]:
+    """Junk completions no reward should break on: empty, and the prompt itself, for the first two rows."""
+    return [dict(row, completion=text) for row in rows[:2] for text in ("", str(row["prompt"]))]
+
+
 def precheck_rewards(task: Task, weights: list[float], rows: list[dict], timeout: float | None = None) -> list[str]:
     """The cheap part of `minigrpo check-reward`, before any model loads: every reward strictly on the
     task's worked examples (they must score as written), and on a few data rows with stand-in completions
@@ -94,9 +99,8 @@ def precheck_rewards(task: Task, weights: list[float], rows: list[dict], timeout
 
     if task.examples:
         score(task.rewards, weights, *batch_of(task.examples), strict=True, timeout=timeout)
-    stand_ins = [dict(row, completion=text) for row in rows[:2] for text in ("", str(row["prompt"]))]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        score(task.rewards, weights, *batch_of(stand_ins), timeout=timeout)
+        score(task.rewards, weights, *batch_of(stand_ins(rows)), timeout=timeout)
     return [f"on stand-in completions (empty, or the prompt itself): {w.message}" for w in caught
             if "reward function" in str(w.message)]

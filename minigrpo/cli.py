@@ -201,7 +201,7 @@ def check_reward(
     allow_unconfined_code: bool = typer.Option(False, help=UNCONFINED_HELP),
 ) -> None:
     """Run the rewards on worked examples and on sampled completions; warn about broken or useless ones."""
-    from minigrpo.check import check_examples, check_rewards, print_report
+    from minigrpo.check import check_examples, check_rewards, print_report, stand_ins
     from minigrpo.tasks import check_sandbox, get_task
     
     console = Console()
@@ -218,9 +218,9 @@ def check_reward(
         console.print(f"[yellow]note[/]: task {t.name} has no worked examples, so no score is checked against an "
                       f"expected one; add some (Task(examples=[...])) to check the rewards' values", highlight=False)
     # what the run's precheck does: junk completions must not break the contract
-    stand_in_rows = [row for row in rows[:2] for _ in range(2)]
-    stand_ins = [text for row in rows[:2] for text in ("", str(row["prompt"]))]
-    print_report(check_rewards(t, stand_in_rows, stand_ins, judge_spread=False),
+    junk = stand_ins(rows)
+    print_report(check_rewards(t, [{k: v for k, v in r.items() if k != "completion"} for r in junk],
+                               [r["completion"] for r in junk], judge_spread=False),
                  f"{t.name}: stand-in completions (empty, and the prompt itself)", console)
     if no_model:
         return

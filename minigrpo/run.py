@@ -32,13 +32,10 @@ class RunFolder:
             task = Path(cfg.task).stem if cfg.task.endswith((".py", *DATA_SUFFIXES)) else cfg.task.replace("/", "-")
             cfg.output_dir = str(Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}-{task}")
         path = Path(cfg.output_dir)
-        if path.exists() and not path.is_dir():
-            raise ValueError(f"--output-dir {path} is a file; give a folder that does not exist yet")
-        if path.is_dir() and any(path.iterdir()):
-            held = "already holds a run: continue it with --resume" if (path / "config.json").exists() else \
-                "is not empty"
-            raise ValueError(f"--output-dir {path} {held}; or pick a new folder (nothing was written)")
-        writable_or_fail(path, "--output-dir")
+        if (path / "config.json").exists():
+            raise ValueError(f"--output-dir {path} already holds a run: continue it with --resume, or pick a new "
+                             f"folder (nothing was written)")
+        usable_or_fail(path, "--output-dir", may_hold_results=False)
         return cls(path, cfg.report_to)
 
     def start(self, cfg: TrainConfig) -> None:
@@ -61,22 +58,23 @@ class RunFolder:
 
 
 def results_folder(path: Path, flag: str) -> Path:
-    """A folder for results (eval.jsonl, an export), made now, before the work: it must be new, empty, a
-    run folder or one with evaluations already (results are appended); a folder with other things in it is
-    someone's."""
+    """A folder for results (eval.jsonl, an export), made now, before the work."""
     path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{flag} {path} is a file; give a folder")
-    ours = (path / "config.json").exists() or (path / "eval.jsonl").exists()
-    if path.is_dir() and any(path.iterdir()) and not ours:
-        raise ValueError(f"{flag} {path} is not empty and not a run folder; pick a new folder (nothing was written)")
-    writable_or_fail(path, flag)
+    usable_or_fail(path, flag, may_hold_results=True)
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-def writable_or_fail(path: Path, flag: str) -> None:
-    """Fail now, naming the flag, when `path` (or the folder it would be made in) cannot be written."""
+def usable_or_fail(path: Path, flag: str, may_hold_results: bool) -> None:
+    """Fail now, naming the flag, unless `path` is a new or empty folder that can be written (or, for
+    results, a run folder or one with evaluations already, which results are appended to): a folder with
+    other things in it is someone's."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {path} is a file; give a folder")
+    ours = may_hold_results and ((path / "config.json").exists() or (path / "eval.jsonl").exists())
+    if path.is_dir() and any(path.iterdir()) and not ours:
+        raise ValueError(f"{flag} {path} is not empty and not a run folder; pick a "
+                         f"new folder (nothing was written)")
     existing = next(p for p in [path, *path.absolute().parents] if p.exists())
     if not existing.is_dir():
         raise ValueError(f"{flag} {path}: {existing} is a file, so no folder can be made there")

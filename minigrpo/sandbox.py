@@ -35,6 +35,7 @@ from pathlib import Path
 CHILD = str(Path(__file__).with_name("confine.py"))
 REQUIRED = ["filesystem", "processes", "network"]
 ALLOW_ENV = "MINIGRPO_ALLOW_UNCONFINED_CODE"
+DISK_MB = 64  # the program's folder: a tmpfs of this size
 
 
 class SandboxError(RuntimeError):
@@ -61,7 +62,7 @@ def run_tests(program: str, function: str, tests: list[tuple[list, object]], *, 
     kernel alone holds.)"""
     require = [] if allow_unconfined() else REQUIRED
     job = {"program": program, "function": function, "inputs": [args for args, _ in tests],
-           "memory_mb": memory_mb, "cpu_seconds": cpu_seconds, "disk_mb": 64, "require": require,
+           "memory_mb": memory_mb, "cpu_seconds": cpu_seconds, "disk_mb": DISK_MB, "require": require,
            "guard": second_layer}
     raw, timed_out = _run_child(job, timeout)
     if timed_out:
@@ -155,7 +156,8 @@ def allow_unconfined() -> bool:
 def layers() -> dict:
     """What the kernel gives the sandbox's child on this machine, as the child itself found it:
     {"namespaces": "user+pid+net+ipc+uts", "landlock": ABI version or 0, "seccomp": bool, "missing": [...]}."""
-    raw, _ = _run_child({"probe": True, "memory_mb": 512, "cpu_seconds": 5, "disk_mb": 64, "require": REQUIRED}, 10.0)
+    probe = {"probe": True, "memory_mb": 512, "cpu_seconds": 5, "disk_mb": DISK_MB, "require": REQUIRED}
+    raw, _ = _run_child(probe, 10.0)
     try:
         found = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):

@@ -37,13 +37,11 @@ class Loaded:
     plan: Plan
 
 
-def plan_run(cfg: TrainConfig, weights: str, gpu: Gpu | None, say, dtype: str | None = None) -> Plan:
+def plan_run(cfg: TrainConfig, model_config, gpu: Gpu | None, say, dtype: str | None = None) -> Plan:
     """The run's plan, said in one line; a run that cannot fit stops here, before anything loads."""
-    from transformers import AutoConfig
-
     settings = Settings.of(cfg)
     settings.dtype = dtype or settings.dtype
-    plan = make_plan(AutoConfig.from_pretrained(weights), gpu, settings, vllm_available())
+    plan = make_plan(model_config, gpu, settings, vllm_available())
     say(f"plan: {plan.summary()}" + (f" ({plan.generator_reason})" if plan.generator != "vllm" and gpu else ""))
     if not plan.fits:
         raise ValueError(f"{cfg.model} does not fit {plan.card} with these settings "
@@ -52,18 +50,13 @@ def plan_run(cfg: TrainConfig, weights: str, gpu: Gpu | None, say, dtype: str | 
     return plan
 
 
-def check_lengths(cfg: TrainConfig, task: Task) -> None:
+def check_lengths(cfg: TrainConfig, task: Task, tokenizer, context: int | None) -> None:
     """Before the model loads: the prompt and completion budgets fit the model's context, and every prompt
     of the task's data fits the prompt budget (one tokenizer pass), naming the first that does not."""
-    from transformers import AutoConfig
-
-    weights = resolve_weights(cfg.hub_id)
-    context = getattr(AutoConfig.from_pretrained(weights), "max_position_embeddings", None)
     if context and cfg.max_prompt_tokens + cfg.max_new_tokens > context:
         raise ValueError(f"--max-prompt-tokens {cfg.max_prompt_tokens} + --max-new-tokens {cfg.max_new_tokens} is "
                          f"more than {cfg.model}'s context of {context} tokens: lower them to at most {context} "
                          f"together")
-    tokenizer = load_tokenizer(weights)
     rows, places, source = rows_and_places(task, cfg.seed)
     texts = [render_prompt(tokenizer, row["prompt"]) for row in rows]
     for ids, place in zip(tokenizer(texts, add_special_tokens=False).input_ids, places):
@@ -73,11 +66,17 @@ def check_lengths(cfg: TrainConfig, task: Task) -> None:
                              f"--max-new-tokens), or shorten the prompt")
 
 
-def load_for_training(cfg: TrainConfig, say=print) -> Loaded:
+def load_for_training(cfg: TrainConfig, say=print, task: Task | None = None) -> Loaded:
+    """The policy, tokenizer and generator; with `task`, its prompts are checked against the budgets first."""
+    from transformers import AutoConfig
+
     gpu = this_gpu()
     weights = resolve_weights(cfg.hub_id)
-    plan = plan_run(cfg, weights, gpu, say)
+    model_config = AutoConfig.from_pretrained(weights)
     tokenizer = load_tokenizer(weights)
+    if task is not None:
+        check_lengths(cfg, task, tokenizer, getattr(model_config, "max_position_embeddings", None))
+    plan = plan_run(cfg, model_config, gpu, say)
     loaded = _load(cfg, weights, tokenizer, compute_dtype(gpu, cfg.dtype)[0], plan, say)
     if loaded.dtype != torch.float16:
         return loaded
@@ -95,7 +94,7 @@ def load_for_training(cfg: TrainConfig, say=print) -> Loaded:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    plan = plan_run(cfg, weights, gpu, say, dtype="float32")
+    plan = plan_run(cfg, model_config, gpu, say, dtype="float32")
     return _load(cfg, weights, tokenizer, torch.float32, plan, say)
 
 

@@ -30,7 +30,7 @@ from minigrpo.model import lora_parameters, seed_everything
 from minigrpo.plot import read_jsonl
 from minigrpo.rollout import PromptPool, collect
 from minigrpo.run import RunFolder
-from minigrpo.startup import check_lengths, load_for_training
+from minigrpo.startup import load_for_training
 from minigrpo.tasks import Task, check_sandbox, get_task
 from minigrpo.update import MicroBatches, Update, micro_batches, policy_update
 
@@ -51,14 +51,13 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
     # a broken reward, a bad row, a folder that is not ours: all stop here, before any model loads
     notes = precheck_rewards(task, weights, train_rows, cfg.reward_timeout)
     run = RunFolder(Path(cfg.output_dir), cfg.report_to) if resume else RunFolder.claim(cfg)
-    check_lengths(cfg, task)
     display = Display(cfg.steps)
     display.print(f"[bold]minigrpo[/] {cfg.model} on {task.name}: {cfg.prompts_per_step} prompts x "
                   f"{cfg.num_generations} completions per step, {cfg.steps} steps -> {run.path}")
     for note in notes:
         display.print(f"[yellow]warning[/]: {note}", highlight=False)
 
-    loaded = load_for_training(cfg, display.print)
+    loaded = load_for_training(cfg, display.print, task)
     if not resume:
         run.start(cfg)  # written only now that the run can start
     model, tokenizer, generator = loaded.model, loaded.tokenizer, loaded.generator
