@@ -46,14 +46,30 @@ def parse_settings(items: list[str]) -> dict:
     return out
 
 
-def run_variant(settings: dict, env: dict | None = None) -> list[dict]:
-    """Train in a fresh process with these settings (and extra environment variables); its per-step metrics."""
+class ChildFailed(RuntimeError):
+    """A benchmark's child process failed; the message ends with its last lines of output."""
+
+
+def run_child(code: str, args: list[str], env: dict | None = None, code_dir: str | None = None) -> None:
+    """`python -c code *args` in a fresh process (importing minigrpo from `code_dir`, another checkout, if
+    given); on failure, ChildFailed with what it printed last."""
+    if code_dir:
+        env = {**(env or {}), "PYTHONPATH": str(Path(code_dir).resolve())}
+    done = subprocess.run([sys.executable, "-c", code, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True, errors="replace", env={**os.environ, **(env or {})}, cwd=code_dir)
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-8:])
+        raise ChildFailed(f"exit status {done.returncode}; its last lines:\n{tail}")
+
+
+def run_variant(settings: dict, env: dict | None = None, code_dir: str | None = None) -> list[dict]:
+    """Train in a fresh process with these settings (and extra environment variables, and the code of
+    another checkout); its per-step metrics."""
     with tempfile.TemporaryDirectory(prefix="minigrpo-bench-") as tmp:
         cfg = dict(settings, output_dir=str(Path(tmp) / "run"), sample_every=0, eval_before_after=False)
         code = ("import json, sys; from minigrpo import TrainConfig, train; "
                 "train(TrainConfig(**json.loads(sys.argv[1])))")
-        subprocess.run([sys.executable, "-c", code, json.dumps(cfg)], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+        run_child(code, [json.dumps(cfg)], env, code_dir)
         lines = (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()
         return [json.loads(line) for line in lines]
 
@@ -92,88 +108,49 @@ def compare(variants: dict[str, dict], common: dict, rounds: int = 1, console: C
     return rows
 
 
-# the setting of the side-by-side with TRL: the same model, adapter, group size, lengths, reward and optimiser
-TRL_SETTING = dict(model="smollm2-135m", task="addition", num_generations=8, prompts_per_step=2, max_new_tokens=64,
-                   learning_rate=1e-5, beta=0.04, lora_rank=16, lora_alpha=32, load_in_4bit=False, loss="dapo",
-                   temperature=1.0, gradient_checkpointing=True)
+# oneDNN's instruction-set cap: how a cpu without bf16 instructions would run the same matmuls
+ISA_CAPS = {"this cpu": None, "capped at AVX-512 without bf16": "AVX512_CORE", "capped at AVX2": "AVX2"}
 
 
-def run_trl(steps: int) -> list[dict]:
-    """TRL's GRPOTrainer on TRL_SETTING in a fresh process; per-step seconds and peak resident memory."""
-    with tempfile.TemporaryDirectory(prefix="minigrpo-bench-trl-") as tmp:
-        out = Path(tmp) / "steps.json"
-        code = "import sys; from minigrpo.bench import _trl_child; _trl_child(int(sys.argv[1]), sys.argv[2])"
-        subprocess.run([sys.executable, "-c", code, str(steps), str(out)], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        return json.loads(out.read_text())
-
-
-def _trl_child(steps: int, out: str) -> None:
-    import resource
-
-    from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from minigrpo.model import LORA_TARGETS, load_tokenizer, resolve_weights
-    from rewards.addition import addition_reward, make_data
-
-    s = TRL_SETTING
-    weights = resolve_weights(TrainConfig(model=s["model"]).hub_id)
-    rows = [{"prompt": [{"role": "user", "content": r["prompt"]}], "a": r["a"], "b": r["b"]}
-            for r in make_data("train", 0)]
-    records = []
-
-    class Clock(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            records.append({"step": state.global_step, "time/step": time.perf_counter() - self.start,
-                            "mem/peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20})
-
-    tmp = tempfile.mkdtemp(prefix="minigrpo-trl-out-")
-    batch = s["num_generations"] * s["prompts_per_step"]
-    config = GRPOConfig(
-        output_dir=tmp, max_steps=steps, per_device_train_batch_size=batch, num_generations=s["num_generations"],
-        max_completion_length=s["max_new_tokens"], learning_rate=s["learning_rate"], beta=s["beta"],
-        loss_type=s["loss"], temperature=s["temperature"], gradient_checkpointing=s["gradient_checkpointing"],
-        logging_steps=1, save_strategy="no", report_to=[], bf16=False, fp16=False, use_cpu=True, seed=0,
-    )
-    trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(weights), reward_funcs=addition_reward, args=config,
-        train_dataset=Dataset.from_list(rows), processing_class=load_tokenizer(weights), callbacks=[Clock()],
-        peft_config=LoraConfig(r=s["lora_rank"], lora_alpha=s["lora_alpha"], target_modules=LORA_TARGETS,
-                               task_type="CAUSAL_LM"),
-    )
-    trainer.train()
-    Path(out).write_text(json.dumps(records))
-
-
-def compare_with_trl(steps: int = 6, rounds: int = 1, console: Console | None = None) -> None:
-    """TRL's GRPOTrainer, minigrpo with transformers generation, and minigrpo with vLLM, taking turns."""
+def dtype_speed(console: Console | None = None, rows: tuple[int, ...] = (16, 1024)) -> list[dict]:
+    """Milliseconds of a matmul of the tiny model's MLP shape (576 -> 1536) in float32 and bfloat16, for 16 rows
+    (a decode step of G=8 x 2 prompts) and 1024 (a training micro-batch), on this cpu and with oneDNN capped
+    below bf16 instructions: why `hardware.compute_dtype` picks bfloat16 only where the cpu has them."""
     console = console or Console(width=140)
-    ours = {k: v for k, v in TRL_SETTING.items() if k != "lora_alpha"}
-    columns = {"TRL GRPOTrainer": None, "minigrpo (hf)": dict(ours, generator="hf"),
-               "minigrpo (vllm)": dict(ours, generator="vllm")}
-    steps_of: dict[str, list[dict]] = {name: [] for name in columns}
-    for r in range(rounds):
-        for name, settings in columns.items():
-            console.print(f"round {r + 1}/{rounds}: {name}", highlight=False)
-            records = run_trl(steps) if settings is None else run_variant(dict(settings, steps=steps,
-                                                                               lora_alpha=TRL_SETTING["lora_alpha"]))
-            steps_of[name] += records[1:]  # the first step pays for warm-up
-    table = Table(title=f"{TRL_SETTING}; median over steps 2..{steps}, {rounds} round(s)")
-    for column in ("trainer", "s/step", "x TRL", "peak GB", "x TRL mem"):
+    results = []
+    for name, cap in ISA_CAPS.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "t.json"
+            run_child("import sys; from minigrpo.bench import _dtype_child; _dtype_child(sys.argv[1], sys.argv[2])",
+                      [",".join(map(str, rows)), str(out)], {"ONEDNN_MAX_CPU_ISA": cap} if cap else None)
+            results.append({"cpu": name, **json.loads(out.read_text())})
+    table = Table(title="one matmul (rows x 576) by (576 x 1536), median ms")
+    for column in ["cpu"] + [f"{n} rows {d}" for n in rows for d in ("fp32", "bf16", "bf16/fp32")]:
         table.add_column(column)
-    base = None
-    for name, records in steps_of.items():
-        seconds = statistics.median(m["time/step"] for m in records)
-        peak = max(m["mem/peak_gb"] for m in records)
-        base = base or (seconds, peak)
-        table.add_row(name, f"{seconds:.2f}", f"{seconds / base[0]:.2f}", f"{peak:.2f}", f"{peak / base[1]:.2f}")
+    for r in results:
+        cells = []
+        for n in rows:
+            f, b = r[f"{n}/float32"], r[f"{n}/bfloat16"]
+            cells += [f"{f:.3f}", f"{b:.3f}", f"{b / f:.2f}"]
+        table.add_row(r["cpu"], *cells)
     console.print(table)
+    return results
+
+
+def _dtype_child(rows: str, out: str) -> None:
+    import torch
+
+    figures = {}
+    for n in map(int, rows.split(",")):
+        for dtype in (torch.float32, torch.bfloat16):
+            x, w = torch.randn(n, 576, dtype=dtype), torch.randn(1536, 576, dtype=dtype)
+            times = []
+            for _ in range(60):
+                start = time.perf_counter()
+                x @ w.t()
+                times.append(time.perf_counter() - start)
+            figures[f"{n}/{str(dtype).removeprefix('torch.')}"] = statistics.median(times[10:]) * 1e3
+    Path(out).write_text(json.dumps(figures))
 
 
 def _memory_child(path: str, rows: int, length: int, out: str) -> None:
@@ -182,7 +159,13 @@ def _memory_child(path: str, rows: int, length: int, out: str) -> None:
     import torch
 
     from minigrpo import loss as L
-    from minigrpo.model import full_logprobs, load_policy, load_tokenizer, resolve_weights, token_logprobs
+    from minigrpo.model import (
+        full_logprobs,
+        load_policy,
+        load_tokenizer,
+        resolve_weights,
+        token_logprobs,
+    )
 
     cfg = TrainConfig(load_in_4bit=torch.cuda.is_available())
     weights = resolve_weights(cfg.hub_id)
@@ -246,9 +229,7 @@ def memory_scaling(lengths=(64, 256, 1024, 2048), rows_at=4, groups=(4, 8, 16, 3
             out = Path(tmp) / "m.json"
             code = ("import sys; from minigrpo.bench import _memory_child; "
                     "_memory_child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])")
-            subprocess.run([sys.executable, "-c", code, path, str(rows), str(length), str(out)], check=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           env={**os.environ, **LIVE_MEMORY_ENV})
+            run_child(code, [path, str(rows), str(length), str(out)], LIVE_MEMORY_ENV)
             return json.loads(out.read_text())["extra_gb"]
 
     for title, cases in ((f"completion length grows (G = {rows_at} rows in one pass)", [(rows_at, n) for n in lengths]),
@@ -270,8 +251,14 @@ def weights_or_random(preset: str, folder: Path, random_weights: bool = False) -
     import torch
     from transformers import AutoModelForCausalLM
 
-    from minigrpo.model import (OFFLINE_HUB_ID, _hub_reachable, byte_tokenizer, default_dtype, load_tokenizer,
-                                resolve_weights)
+    from minigrpo.model import (
+        OFFLINE_HUB_ID,
+        _hub_reachable,
+        byte_tokenizer,
+        default_dtype,
+        load_tokenizer,
+        resolve_weights,
+    )
     from minigrpo.plan import SHAPES, preset_shape
 
     hub_id = TrainConfig(model=preset).hub_id
@@ -298,7 +285,7 @@ def measure_setting(weights: str, base: TrainConfig, G: int, n: int, steps: int,
                     learning_rate=base.learning_rate, generator=generator)
     metrics = run_variant(settings, env=LIVE_MEMORY_ENV)
     metrics = metrics[1:] or metrics  # the first step pays for warm-up
-    med = lambda k: statistics.median(m.get(k, 0.0) for m in metrics)  # noqa: E731
+    med = lambda k: statistics.median(m.get(k, 0.0) for m in metrics)
     return {"G": G, "max_new_tokens": n, "prompts": base.prompts_per_step,
             "s/step": med("time/step"), "tokens/s": med("tokens_per_s"), "sync s": med("time/sync"),
             "prompt tokens": max(m["prompt_len/max"] for m in metrics),

@@ -69,12 +69,14 @@ def train(
                                                             "[default: sized from the model, see `minigrpo plan`]."),
     tis_cap: float = typer.Option(2.0, help="Cap of the truncated importance-sampling weight (0: off)."),
     seed: int = typer.Option(0, help="Seed for data order, sampling and initialisation."),
-    dtype: str = typer.Option("auto", help="Compute dtype: auto (bfloat16 on sm_80+, float16 on older GPUs, float32 "
-                                           "on cpu), bfloat16, float16 or float32."),
+    dtype: str = typer.Option("auto", help="Compute dtype: auto (bfloat16 on sm_80+ and on cpus with native bfloat16, "
+                                           "float16 on older GPUs, else float32), bfloat16, float16 or float32."),
     load_in_4bit: bool = typer.Option(None, "--4bit/--no-4bit",
                                       help="nf4 base, or 16-bit (32-bit on cpu) [default: 4-bit on GPU, 32-bit on cpu]."),
-    no_gradient_checkpointing: bool = typer.Option(False, "--no-gradient-checkpointing",
-                                                   help="Faster steps, more activation memory."),
+    gradient_checkpointing: bool = typer.Option(
+        None, "--gradient-checkpointing/--no-gradient-checkpointing",
+        help="Recompute activations in backward: less memory, slower steps [default: off on a cpu with room "
+             "(`minigrpo plan` says), on on a GPU]."),
     sample_every: int = typer.Option(5, help="Show a sampled completion every N steps (0: never)."),
     report_to: list[str] = typer.Option([], help="Also log to tensorboard and/or wandb (repeat) [default: none]."),
 ) -> None:
@@ -111,7 +113,7 @@ def train(
                 eval_before_after=eval_before_after, eval_every=eval_every, eval_prompts=eval_prompts, eval_samples=eval_samples, lora_rank=lora_rank,
                 temperature=temperature, top_p=top_p, micro_batch_size=micro_batch_size, generator=generator,
                 gpu_memory_utilization=gpu_memory_utilization, tis_cap=tis_cap, seed=seed,
-                load_in_4bit=load_in_4bit, dtype=dtype, gradient_checkpointing=not no_gradient_checkpointing,
+                load_in_4bit=load_in_4bit, dtype=dtype, gradient_checkpointing=gradient_checkpointing,
                 sample_every=sample_every, report_to=report_to,
             )
         except ValueError as error:

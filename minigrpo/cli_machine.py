@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 from rich.console import Console
 
@@ -95,11 +97,25 @@ def bench_compare(
 def bench_trl(
     steps: int = typer.Option(6, help="Steps per run; the first is left out of the medians."),
     rounds: int = typer.Option(1, help="Runs per trainer, taken in turns."),
+    against: list[str] = typer.Option([], help="Another checkout of minigrpo (a folder) to run beside this one "
+                                               "(repeat) [default: none]."),
 ) -> None:
     """Side by side with TRL's GRPOTrainer on one setting (needs `pip install trl`): s/step, peak memory."""
-    from minigrpo.bench import compare_with_trl
+    from minigrpo.bench_trl import compare_with_trl
 
-    compare_with_trl(steps, rounds)
+    for folder in against:
+        if not (Path(folder) / "minigrpo" / "train.py").is_file():
+            raise ValueError(f"--against {folder}: not a checkout of minigrpo (no minigrpo/train.py in it)")
+    compare_with_trl(steps, rounds, against=against)
+
+
+@bench_app.command("dtype")
+@clear_errors
+def bench_dtype() -> None:
+    """float32 against bfloat16 matmuls on this cpu, and with bf16 instructions capped off (why auto picks one)."""
+    from minigrpo.bench import dtype_speed
+
+    dtype_speed()
 
 
 @bench_app.command("memory")

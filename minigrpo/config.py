@@ -60,8 +60,8 @@ class TrainConfig:
     load_in_4bit: bool | None = None
     lora_rank: int | None = None  # None: from the preset
     lora_alpha: int | None = None  # None: twice the rank
-    gradient_checkpointing: bool = True  # recompute activations in backward: less memory, ~20% slower
-    dtype: str = "auto"  # compute dtype: bf16 on sm_80+, fp16 on older GPUs (T4), fp32 on cpu; or force one
+    gradient_checkpointing: bool | None = None  # recompute activations in backward; None: off on a cpu with room
+    dtype: str = "auto"  # compute dtype: bf16 on sm_80+ and cpus with native bf16, fp16 on a T4, else fp32
 
     # rollout
     steps: int = 30  # optimizer steps

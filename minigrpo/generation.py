@@ -37,13 +37,16 @@ class Generator(Protocol):
 
 
 class HFGenerator:
-    """`model.generate` on the training model itself: no second copy, always in sync.
+    """Sampling with the training model itself, token by token: no second copy, always in sync.
 
-    It samples with exactly the settings the trainer's log-probs assume (temperature, top-p, nothing else):
-    the model's own `generation_config` may carry a repetition penalty, top-k or banned words, and
-    transformers would apply them, so the samples would not come from the policy being trained. With
-    `report_logprobs` it returns its own log-probs of what it sampled, as the vLLM engine does (tests and
-    `minigrpo doctor` compare them with the trainer's)."""
+    Our own decode loop rather than `model.generate`, for three reasons measured on CPU (the place this
+    generator runs most): each distinct prompt is prefilled once and its cache copied to its G rows, not
+    prefilled G times; a row that ends leaves the batch, so the rest compute without it; and sampling is
+    one inverse-CDF draw per row rather than `torch.multinomial`'s exponential draw over the whole
+    vocabulary. It samples with exactly the settings the trainer's log-probs assume (temperature, top-p,
+    nothing else): the model's own `generation_config` (a repetition penalty, top-k, banned words) plays no
+    part. With `report_logprobs` it returns its own log-probs of what it sampled, as the vLLM engine does
+    (tests and `minigrpo doctor` compare them with the trainer's)."""
 
     def __init__(self, model, tokenizer, report_logprobs: bool = False):
         self.model = model
@@ -59,59 +62,73 @@ class HFGenerator:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> Rollout:
-        rows = [ids for ids in prompt_ids for _ in range(sampling.n)]  # grouped: G rows per prompt
-        width = max(len(ids) for ids in rows)
-        input_ids = torch.tensor([[self.pad_id] * (width - len(ids)) + ids for ids in rows])  # [B, Lp]
-        attention = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows])  # [B, Lp]
         was_training = self.model.training
         self.model.eval()
         try:
-            with exact_sampling(self.model, self.eos_ids, self.pad_id):
-                out = self.model.generate(
-                    input_ids=input_ids.to(self.model.device), attention_mask=attention.to(self.model.device),
-                    **greedy_or_sampled(sampling), max_new_tokens=sampling.max_new_tokens, use_cache=True,
-                    return_dict_in_generate=True, output_scores=self.report_logprobs,
-                )
+            tokens, logps = decode(self.model, prompt_ids, sampling, self.eos_ids, self.pad_id)
         finally:
             self.model.train(was_training)
-        generated = out.sequences[:, width:]  # [B, T]
-        logps = None
-        if self.report_logprobs:  # the processed scores: after temperature and top-p, as sampled
-            scores = torch.stack(out.scores, dim=1).float().log_softmax(-1)  # [B, T, V]
-            logps = scores.gather(-1, generated.unsqueeze(-1)).squeeze(-1).tolist()  # [B, T]
-        completions, truncated, sampler_logps = [], [], []
-        for i, row in enumerate(generated.tolist()):
-            end = next((j for j, t in enumerate(row) if t in self.eos_ids), None)
-            completions.append(row if end is None else row[:end + 1])  # keep eos: the model learns to stop
-            truncated.append(end is None)
-            if logps is not None:
-                sampler_logps.append(logps[i][:len(completions[-1])])
-        return Rollout(completions, truncated, sampler_logps if logps is not None else None)
+        ended = [bool(row) and row[-1] in self.eos_ids for row in tokens]
+        return Rollout(tokens, [not e for e in ended], logps if self.report_logprobs else None)
 
 
-class exact_sampling:
-    """For the length of a `generate` call, a generation config with no settings of the model's own, so
-    transformers adds no penalty, top-k, banned words or forced tokens to what we ask for."""
+def decode(model, prompt_ids: list[list[int]], sampling: Sampling, eos_ids: list[int],
+           pad_id: int) -> tuple[list[list[int]], list[list[float]]]:
+    """G sampled continuations of each prompt, grouped (rows [0, G) continue prompt 0), each ending at its
+    first eos token (kept: the model learns to stop) or after `max_new_tokens`; and the log-prob of each
+    sampled token under the distribution it was drawn from (after temperature and top-p)."""
+    from transformers import DynamicCache
 
-    def __init__(self, model, eos_ids: list[int], pad_id: int):
-        from transformers import GenerationConfig
+    dev = model.device
+    width = max(len(ids) for ids in prompt_ids)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompt_ids], device=dev)  # [P, Lp]
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=dev)  # [P, Lp]
+    cache = DynamicCache()
+    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                past_key_values=cache, use_cache=True, logits_to_keep=1)
+    cache.batch_repeat_interleave(sampling.n)  # one prefill per prompt, copied to its G rows
+    logits = out.logits[:, -1].repeat_interleave(sampling.n, dim=0)  # [B, V]
+    mask = mask.repeat_interleave(sampling.n, dim=0)  # [B, Lp]
+    B = logits.shape[0]
+    live = torch.arange(B, device=dev)  # [b]: which of the B rows are still generating
+    tokens: list[list[int]] = [[] for _ in range(B)]
+    logps: list[list[float]] = [[] for _ in range(B)]
+    eos = torch.tensor(eos_ids, dtype=torch.long, device=dev)
+    for t in range(sampling.max_new_tokens):
+        token, logp = sample(logits.float(), sampling)  # [b], [b]
+        for row, tok, lp in zip(live.tolist(), token.tolist(), logp.tolist()):
+            tokens[row].append(tok)
+            logps[row].append(lp)
+        going = ~torch.isin(token, eos)  # [b]
+        if t == sampling.max_new_tokens - 1 or not going.any():
+            break
+        if not going.all():  # finished rows leave the batch and its cache
+            keep = going.nonzero().squeeze(-1)
+            live, token, mask = live[keep], token[keep], mask[keep]
+            cache.batch_select_indices(keep)
+        mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)  # [b, L + 1]
+        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1,
+                    past_key_values=cache, use_cache=True)
+        logits = out.logits[:, -1]  # [b, V]
+    return tokens, logps
 
-        self.inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-        self.clean = GenerationConfig(eos_token_id=eos_ids, pad_token_id=pad_id,
-                                      bos_token_id=getattr(self.inner.generation_config, "bos_token_id", None))
 
-    def __enter__(self):
-        self.saved = self.inner.generation_config
-        self.inner.generation_config = self.clean
-
-    def __exit__(self, *exc):
-        self.inner.generation_config = self.saved
-
-
-def greedy_or_sampled(sampling: Sampling) -> dict:
+def sample(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from softmax(logits / temperature) restricted to the top-p nucleus (greedy at
+    temperature 0), and its log-prob under that distribution. logits: [b, V] -> [b], [b]."""
     if sampling.temperature == 0:
-        return dict(do_sample=False)
-    return dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
+        token = logits.argmax(-1)
+        return token, logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
+    logits = logits / sampling.temperature
+    if sampling.top_p < 1.0:  # keep the most likely tokens until their mass reaches top_p
+        probs, order = logits.softmax(-1).sort(-1, descending=True)  # [b, V]
+        outside = probs.cumsum(-1) - probs > sampling.top_p  # the mass before this token already covers top_p
+        logits = logits.scatter(-1, order, logits.gather(-1, order).masked_fill(outside, float("-inf")))
+    logp = logits.log_softmax(-1)  # [b, V]
+    cdf = logp.exp().cumsum(-1)  # [b, V]
+    u = (1 - torch.rand(len(cdf), 1, device=cdf.device)) * cdf[:, -1:]  # (0, total]: never a zero-mass token
+    token = torch.searchsorted(cdf, u).squeeze(-1).clamp(max=cdf.shape[1] - 1)  # [b]
+    return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 
 def _eos_ids(model, tokenizer) -> list[int]:

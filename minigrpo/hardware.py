@@ -90,16 +90,20 @@ def host_memory_gb() -> float | None:
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def compute_dtype(gpu: Gpu | None, requested: str = "auto") -> tuple[torch.dtype, str]:
+def compute_dtype(gpu: Gpu | None, requested: str = "auto", cpu_bf16: bool | None = None) -> tuple[torch.dtype, str]:
     """The dtype the trainer computes in and the engine runs in, and why.
 
     bf16 only from compute capability 8.0 on: `torch.cuda.is_bf16_supported()` also answers yes on a T4
     (it counts emulation), where vLLM refuses bf16 and torch emulates it slowly. Below 8.0, fp16 with a
     gradient scaler and a check of the first rollout's numbers (some models overflow in fp16; the run then
-    falls back to fp32). On a cpu, fp32: bf16 matmuls measured about 4x slower there.
+    falls back to fp32). On a cpu (`gpu` None), bf16 where the cpu computes it natively (`cpu_bf16`; None
+    reads this machine's flags): measured there, a matmul runs about 2x faster in bf16 than in fp32, and
+    2-5x slower where oneDNN must emulate it (README, "Speed on a CPU").
 
-    >>> compute_dtype(CARDS["t4"])[0], compute_dtype(CARDS["4090"])[0], compute_dtype(None)[0]
-    (torch.float16, torch.bfloat16, torch.float32)
+    >>> compute_dtype(CARDS["t4"])[0], compute_dtype(CARDS["4090"])[0]
+    (torch.float16, torch.bfloat16)
+    >>> compute_dtype(None, cpu_bf16=True)[0], compute_dtype(None, cpu_bf16=False)[0]
+    (torch.bfloat16, torch.float32)
     """
     if requested != "auto":
         if requested not in DTYPES:
@@ -109,11 +113,30 @@ def compute_dtype(gpu: Gpu | None, requested: str = "auto") -> tuple[torch.dtype
                              f"use --dtype float16 or float32")
         return DTYPES[requested], "asked for with --dtype"
     if gpu is None:
-        return torch.float32, "cpu: float32 runs about 4x faster than bfloat16 there"
+        if cpu_has_bf16() if cpu_bf16 is None else cpu_bf16:
+            return torch.bfloat16, "this cpu computes bfloat16 natively (avx512_bf16 or amx): 2x float32's speed"
+        return torch.float32, "this cpu has no native bfloat16 (avx512_bf16 or amx), where it runs 2-5x slower"
     if gpu.capability >= (8, 0):
         return torch.bfloat16, f"{gpu.sm} has bfloat16"
     return torch.float16, (f"{gpu.sm} has no bfloat16 (vLLM refuses it below sm_80): float16 with a gradient "
                            f"scaler, falling back to float32 if the first rollout overflows")
+
+
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this x86 cpu has bfloat16 instructions (AVX512-BF16 or AMX), from /proc/cpuinfo's flags.
+
+    Arm's BF16 extension is left out: nobody measured torch's bf16 speed on one for this project.
+
+    >>> cpu_has_bf16("flags : fpu avx2 avx512f avx512_bf16"), cpu_has_bf16("flags : fpu avx2 avx512f")
+    (True, False)
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:  # not linux: no flags to read, so no claim
+            return False
+    found = re.search(r"^flags\s*:(.*)$", cpuinfo, re.M)
+    return bool(found) and bool({"avx512_bf16", "amx_bf16"} & set(found.group(1).split()))
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -179,17 +179,32 @@ def load_tokenizer(weights: str):
     return tokenizer
 
 
-def load_base(weights: str, load_in_4bit: bool, dtype: torch.dtype):
+def load_base(weights: str, load_in_4bit: bool, dtype: torch.dtype, longest: int = 1024, micro_batch: int = 8):
     """The base model on this machine's device: nf4 linear layers computing in `dtype`, or all in `dtype`."""
     quiet_libraries()
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
     quant = None
     if load_in_4bit:
         quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                    bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True)
-    return AutoModelForCausalLM.from_pretrained(weights, dtype=dtype, quantization_config=quant,
-                                                device_map={"": device()})
+    heads = getattr(AutoConfig.from_pretrained(weights), "num_attention_heads", 32)
+    return AutoModelForCausalLM.from_pretrained(
+        weights, dtype=dtype, quantization_config=quant, device_map={"": device()},
+        attn_implementation=attention(device().type == "cuda", micro_batch, heads, longest))
+
+
+def attention(gpu: bool, micro_batch: int, heads: int, longest: int) -> str:
+    """Plain matmul attention on a cpu where one micro-batch's attention scores are small; sdpa elsewhere.
+    On a cpu, torch's fused attention backward ran slower than the plain one at a quick start's lengths (a
+    bfloat16 training pass of the tiny model took 4.1-4.4 s against 5.0 s), while the plain one holds every
+    score: rows x heads x length^2.
+
+    >>> attention(False, 8, 9, 560), attention(False, 8, 9, 4096), attention(True, 8, 9, 560)
+    ('eager', 'sdpa', 'sdpa')
+    """
+    scores_bytes = micro_batch * heads * longest**2 * 4
+    return "eager" if not gpu and scores_bytes <= 256 * 2**20 else "sdpa"
 
 
 def load_policy(cfg: TrainConfig, weights: str, dtype: torch.dtype | None = None):
@@ -197,7 +212,8 @@ def load_policy(cfg: TrainConfig, weights: str, dtype: torch.dtype | None = None
     quiet_libraries()  # before peft, which imports bitsandbytes
     from peft import LoraConfig, get_peft_model
 
-    base = load_base(weights, cfg.load_in_4bit, dtype or default_dtype(cfg.dtype))
+    base = load_base(weights, cfg.load_in_4bit, dtype or default_dtype(cfg.dtype),
+                     cfg.max_prompt_tokens + cfg.max_new_tokens, cfg.micro_batch_size)
     base.config.use_cache = False  # training forward passes never reuse a kv cache
     for module in base.modules():
         # on cpus with avx512-bf16, bitsandbytes repacks a 4-bit weight for inference the first time it
@@ -331,7 +347,8 @@ def load_trained(adapter: str | Path | None, model: str | None = None, **overrid
             setattr(cfg, key, value)
     weights = resolve_weights(cfg.hub_id)
     tokenizer = load_tokenizer(weights)
-    base = load_base(weights, cfg.load_in_4bit, default_dtype(cfg.dtype))
+    base = load_base(weights, cfg.load_in_4bit, default_dtype(cfg.dtype), cfg.max_prompt_tokens + cfg.max_new_tokens,
+                     cfg.micro_batch_size)
     if adapter:
         policy = PeftModel.from_pretrained(base, str(adapter))
     else:

@@ -9,11 +9,10 @@ One GPU holds, at once:
   its activation workspace and a key/value cache. `gpu_memory_utilization` is the engine's share of the
   card's *total* memory, not of what the trainer leaves, so the share is sized here from these terms.
 
-While the trainer computes gradients the engine can sleep (its weights copied to host RAM, its cache dropped).
-vLLM allocates a new pinned host copy at every sleep (0.10 to 0.33 alike), so a run sleeps only when the
-trainer needs the room. `minigrpo plan` prints all of this; `train` uses it to size the engine, or to say,
-before anything loads, that the engine does not fit and generation runs on transformers instead.
-`minigrpo bench model` measures the same terms on a real card.
+While the trainer computes gradients the engine can sleep (weights to host RAM, cache dropped); vLLM pins a
+new host copy at every sleep (0.10 to 0.33 alike), so a run sleeps only when the trainer needs the room.
+`minigrpo plan` prints all this; `train` sizes the engine with it (or says before anything loads that it does
+not fit, and generates with transformers); `minigrpo bench model` measures the same terms on a real card.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import dataclasses
 import statistics
 from dataclasses import dataclass, field
 
-from minigrpo.hardware import Gpu, compute_dtype, dtype_name
+from minigrpo.hardware import Gpu, compute_dtype, dtype_name, host_memory_gb
 
 GiB = 2**30
 BUDGET = 0.92  # share of a card's memory a plan may fill; the rest is fragmentation and allocator slack
@@ -169,7 +168,7 @@ class Settings:
     load_in_4bit: bool = True
     micro_batch_size: int = 8
     chunk: int = 512
-    checkpointing: bool = True
+    checkpointing: bool | None = True  # None: off on a cpu with room for the activations, else on
     dtype: str = "auto"
     generator: str = "auto"
     gpu_memory_utilization: float | None = None
@@ -202,6 +201,7 @@ class Plan:
     peak_gb: float = 0.0
     fits: bool = True
     advice: list[str] = field(default_factory=list)
+    checkpointing: bool = True  # gradient checkpointing: activations recomputed in backward
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -213,7 +213,7 @@ class Plan:
                 f"the vLLM engine with {self.engine_share:.2f} of the card ({self.engine_gb:.1f} GB, KV for "
                 f"{self.kv_tokens} tokens{', asleep while training' if self.sleep else ''})")
         if not self.total_gb:  # a cpu: no card to fill
-            return f"cpu, {self.dtype}, {engine}"
+            return f"cpu, {self.dtype}, {engine}, gradient checkpointing {'on' if self.checkpointing else 'off'}"
         verdict = "fits" if self.fits else "does NOT fit"
         return (f"{self.card}, {self.dtype}, {engine}; estimated peak {self.peak_gb:.1f} of {self.total_gb:.1f} GB: "
                 f"{verdict}")
@@ -226,12 +226,15 @@ def make_plan(shape, gpu: Gpu | None, s: Settings, vllm_installed: bool = True, 
     nbytes = dtype.itemsize
     sizes = Sizes.of(shape)
     trainer = trainer_gb(sizes, s.lora_rank, s.load_in_4bit, nbytes) + (CUDA_CONTEXT_GB if gpu else 0.0)
+    if s.checkpointing is None:
+        s = dataclasses.replace(s, checkpointing=needs_checkpointing(shape, gpu, s, nbytes, trainer, host_memory_gb()))
     memory = StepMemory(shape, nbytes, s.micro_batch_size, s.chunk, True, s.checkpointing)
     hf_step = memory.step_gb(s.rows, s.prompt_tokens, s.new_tokens)
     train_step = memory.training_gb(s.rows, s.prompt_tokens, s.new_tokens)
     name = gpu.name if gpu else "cpu"
     total = gpu.total_gb if gpu else 0.0
-    hf = Plan(name, total, dtype_name(dtype), dtype_reason, "hf", "", trainer, hf_step, peak_gb=trainer + hf_step)
+    hf = Plan(name, total, dtype_name(dtype), dtype_reason, "hf", "", trainer, hf_step, peak_gb=trainer + hf_step,
+              checkpointing=s.checkpointing)
 
     if gpu is None:
         choice = "vllm" if s.generator == "vllm" else "hf"
@@ -249,6 +252,21 @@ def make_plan(shape, gpu: Gpu | None, s: Settings, vllm_installed: bool = True, 
         return finish(dataclasses.replace(hf, generator_reason=engine.generator_reason + "; generating with "
                                           "transformers"), gpu, s, shape, advise)
     return finish(engine, gpu, s, shape, advise)
+
+
+def needs_checkpointing(shape, gpu: Gpu | None, s: Settings, nbytes: int, trainer: float,
+                        host_gb: float | None) -> bool:
+    """Recompute activations in backward? On a cpu, not where the estimate without it is under an eighth of RAM
+    (a forward pass saved; README, "Speed on a CPU"); on a card, yes: its estimates are not yet checked on one.
+
+    >>> s = Settings(rows=16, prompts=2, prompt_tokens=64, new_tokens=48, checkpointing=None)
+    >>> [needs_checkpointing(preset_shape(m), None, s, 2, gb, 16) for m, gb in (("smollm2-135m", .3), ("qwen-1.5b", 3))]
+    [False, True]
+    """
+    if gpu is not None or not host_gb:
+        return True
+    without = StepMemory(shape, nbytes, s.micro_batch_size, s.chunk, True, checkpointing=False)
+    return trainer + without.step_gb(s.rows, s.prompt_tokens, s.new_tokens) > host_gb / 8
 
 
 def trainer_gb(sizes: Sizes, lora_rank: int, load_in_4bit: bool, nbytes: int) -> float:
@@ -310,7 +328,7 @@ FLAGS = {"micro_batch_size": "--micro-batch-size", "generator": "--generator", "
 def finish(plan: Plan, gpu: Gpu, s: Settings, shape, advise: bool) -> Plan:
     """Fill the dtype and the verdict, and where the run does not fit, the settings that would."""
     dtype, reason = compute_dtype(gpu, s.dtype)
-    plan.dtype, plan.dtype_reason = dtype_name(dtype), reason
+    plan.dtype, plan.dtype_reason, plan.checkpointing = dtype_name(dtype), reason, s.checkpointing
     if plan.generator == "hf":
         plan.fits = plan.peak_gb <= BUDGET * gpu.total_gb
     if plan.fits or not advise:

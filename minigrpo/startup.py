@@ -77,6 +77,8 @@ def load_for_training(cfg: TrainConfig, say=print, task: Task | None = None) -> 
     if task is not None:
         check_lengths(cfg, task, tokenizer, getattr(model_config, "max_position_embeddings", None))
     plan = plan_run(cfg, model_config, gpu, say)
+    if cfg.gradient_checkpointing is None:  # the plan decides, and config.json records what it decided
+        cfg.gradient_checkpointing = plan.checkpointing
     loaded = _load(cfg, weights, tokenizer, compute_dtype(gpu, cfg.dtype)[0], plan, say)
     if loaded.dtype != torch.float16:
         return loaded

@@ -16,3 +16,27 @@ def test_bench_model_measures_each_setting_and_prints_a_plan():
         assert 0.1 < r["loaded GB"] <= r["peak GB"]
     text = console.export_text()
     assert "memory plan" in text and "Fits this machine" in text
+
+
+def test_a_failing_benchmark_child_shows_its_last_lines():
+    import pytest
+
+    from minigrpo.bench import ChildFailed, run_child
+
+    with pytest.raises(ChildFailed, match=r"exit status 1(.|\n)*ZeroDivisionError: division by zero"):
+        run_child("print('noise'); 1 / 0", [])
+
+
+def test_the_trl_table_prints_what_was_measured_and_why_the_rest_was_not():
+    from minigrpo.bench_trl import print_trl_table
+
+    console = Console(record=True, width=200)
+    measured = [{"time/step": 10.0, "mem/peak_gb": 2.0, "time/generate": 4.0, "tokens_per_s": 150.0},
+                {"time/step": 12.0, "mem/peak_gb": 2.5, "time/generate": 5.0, "tokens_per_s": 130.0}]
+    print_trl_table({"minigrpo": measured}, {"TRL GRPOTrainer": "TRL is not installed (pip install trl)",
+                                             "minigrpo (vllm)": "failed (exit status 1)"}, 3, 1, console)
+    text = console.export_text()
+    assert "TRL GRPOTrainer: not measured: TRL is not installed" in text
+    assert "minigrpo (vllm): not measured: failed (exit status 1)" in text
+    row = next(line for line in text.splitlines() if line.startswith("│ minigrpo "))
+    assert "11.00" in row and "2.50" in row and "4.50" in row and "140" in row  # medians and the peak

@@ -82,7 +82,7 @@ def test_gradients_flow_through_4bit_layers_after_generation(tiny_model_path):
     # input gradient of a 4-bit layer of the policy, after such a forward, against its dequantized weight.
     from bitsandbytes.functional import dequantize_4bit
 
-    policy = load_policy(TrainConfig(lora_rank=4, load_in_4bit=True), tiny_model_path)
+    policy = load_policy(TrainConfig(lora_rank=4, load_in_4bit=True), tiny_model_path, torch.float32)
     layer = policy.get_base_model().model.layers[0].mlp.down_proj.base_layer
     policy.eval()
     with torch.no_grad():

@@ -25,7 +25,8 @@ def run(tmp_path_factory):
                                                for w in ["hello", "tree", "eleven", "yes"] * 5))
     return train(TrainConfig(task=str(folder / "data.jsonl"), rewards=[f"{folder / 'reward.py'}:letter_e"], steps=2,
                              num_generations=4, prompts_per_step=2, max_new_tokens=12, learning_rate=3e-3,
-                             sample_every=0, seed=2, output_dir=str(folder / "run")))
+                             sample_every=0, seed=2, output_dir=str(folder / "run"),
+                             dtype="float32"))  # an exact export is checked against an exact run
 
 
 def test_sample_and_chat(run):

@@ -21,7 +21,8 @@ TOL = 2e-3  # mean |engine - trainer| log-prob per token; fp32 on both sides, sa
 @pytest.fixture(scope="module")
 def setup(tiny_model_path):
     tokenizer = load_tokenizer(tiny_model_path)
-    policy = load_policy(TrainConfig(lora_rank=8, load_in_4bit=True), tiny_model_path)
+    # float32 on both sides: the sync is checked for exactness (in bfloat16 the sides differ by rounding)
+    policy = load_policy(TrainConfig(lora_rank=8, load_in_4bit=True), tiny_model_path, torch.float32)
     engine = VLLMGenerator.start(policy, tokenizer, lora_rank=8, max_model_len=256, seed=0, max_rows=8,
                                  gpu_memory_utilization=None, sleep=False, dtype=torch.float32)
     yield policy, tokenizer, engine
@@ -99,7 +100,7 @@ def test_train_with_vllm_end_to_end(tmp_path, tiny_model_path, monkeypatch):
                                                                                         _real(self)))
     out = tmp_path / "run"
     train(TrainConfig(generator="vllm", load_in_4bit=True, steps=3, num_generations=4, prompts_per_step=2, max_new_tokens=16,
-                      output_dir=str(out), sample_every=0, seed=3))
+                      output_dir=str(out), sample_every=0, seed=3, dtype="float32"))
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 3
     for m in metrics:
