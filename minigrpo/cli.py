@@ -69,10 +69,10 @@ def train(
                                                             "[default: sized from the model, see `minigrpo plan`]."),
     tis_cap: float = typer.Option(2.0, help="Cap of the truncated importance-sampling weight (0: off)."),
     seed: int = typer.Option(0, help="Seed for data order, sampling and initialisation."),
-    dtype: str = typer.Option("auto", help="Compute dtype: auto (bfloat16 on sm_80+ and on cpus with native bfloat16, "
-                                           "float16 on older GPUs, else float32), bfloat16, float16 or float32."),
+    dtype: str = typer.Option("auto", help="Compute dtype: auto (bfloat16 on sm_80+, float16 on older GPUs, float32 "
+                                           "on cpu), bfloat16, float16 or float32."),
     load_in_4bit: bool = typer.Option(None, "--4bit/--no-4bit",
-                                      help="nf4 base, or 16-bit (32-bit on cpu) [default: 4-bit on GPU, 32-bit on cpu]."),
+                                      help="nf4 base, or the compute dtype [default: 4-bit on GPU, the compute dtype on cpu]."),
     gradient_checkpointing: bool = typer.Option(
         None, "--gradient-checkpointing/--no-gradient-checkpointing",
         help="Recompute activations in backward: less memory, slower steps [default: off on a cpu with room "

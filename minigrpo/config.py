@@ -55,13 +55,13 @@ class TrainConfig:
     seed: int = 0  # seeds python, numpy, torch and the task data
 
     # the policy: a 4-bit base with LoRA adapters on every linear projection of the blocks
-    # nf4 base via bitsandbytes, or 16-bit (32-bit on cpu). None: 4-bit on a GPU, 32-bit on cpu, where
+    # nf4 base via bitsandbytes, or the compute dtype. None: 4-bit on a GPU, the compute dtype on cpu, where
     # bitsandbytes dequantizes on every matmul and measured slower and no leaner for small models
     load_in_4bit: bool | None = None
     lora_rank: int | None = None  # None: from the preset
     lora_alpha: int | None = None  # None: twice the rank
     gradient_checkpointing: bool | None = None  # recompute activations in backward; None: off on a cpu with room
-    dtype: str = "auto"  # compute dtype: bf16 on sm_80+ and cpus with native bf16, fp16 on a T4, else fp32
+    dtype: str = "auto"  # compute dtype: bf16 on sm_80+, fp16 on older GPUs (T4), fp32 on cpu; or force one
 
     # rollout
     steps: int = 30  # optimizer steps

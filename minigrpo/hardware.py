@@ -96,14 +96,15 @@ def compute_dtype(gpu: Gpu | None, requested: str = "auto", cpu_bf16: bool | Non
     bf16 only from compute capability 8.0 on: `torch.cuda.is_bf16_supported()` also answers yes on a T4
     (it counts emulation), where vLLM refuses bf16 and torch emulates it slowly. Below 8.0, fp16 with a
     gradient scaler and a check of the first rollout's numbers (some models overflow in fp16; the run then
-    falls back to fp32). On a cpu (`gpu` None), bf16 where the cpu computes it natively (`cpu_bf16`; None
-    reads this machine's flags): measured there, a matmul runs about 2x faster in bf16 than in fp32, and
-    2-5x slower where oneDNN must emulate it (README, "Speed on a CPU").
+    falls back to fp32). On a cpu (`gpu` None), fp32. Where the cpu has bf16 instructions (`cpu_bf16`; None
+    reads this machine's flags) a bf16 matmul is about 2x faster, and a bf16 step 0.7x as long, but the quick
+    start learned less in bf16 (two runs against fp32's one; README, "Speed on a CPU"): LoRA's small updates
+    round away when added to bf16 activations. So bf16 on a cpu is an opt-in (--dtype bfloat16).
 
     >>> compute_dtype(CARDS["t4"])[0], compute_dtype(CARDS["4090"])[0]
     (torch.float16, torch.bfloat16)
     >>> compute_dtype(None, cpu_bf16=True)[0], compute_dtype(None, cpu_bf16=False)[0]
-    (torch.bfloat16, torch.float32)
+    (torch.float32, torch.float32)
     """
     if requested != "auto":
         if requested not in DTYPES:
@@ -114,8 +115,9 @@ def compute_dtype(gpu: Gpu | None, requested: str = "auto", cpu_bf16: bool | Non
         return DTYPES[requested], "asked for with --dtype"
     if gpu is None:
         if cpu_has_bf16() if cpu_bf16 is None else cpu_bf16:
-            return torch.bfloat16, "this cpu computes bfloat16 natively (avx512_bf16 or amx): 2x float32's speed"
-        return torch.float32, "this cpu has no native bfloat16 (avx512_bf16 or amx), where it runs 2-5x slower"
+            return torch.float32, ("cpu: --dtype bfloat16 runs faster on this one (it has bf16 instructions) but "
+                                   "learned less in the quick start")
+        return torch.float32, "cpu without bf16 instructions: bfloat16 would be emulated, 2-5x slower"
     if gpu.capability >= (8, 0):
         return torch.bfloat16, f"{gpu.sm} has bfloat16"
     return torch.float16, (f"{gpu.sm} has no bfloat16 (vLLM refuses it below sm_80): float16 with a gradient "
