@@ -77,19 +77,23 @@ def _trl_child(steps: int, out: str) -> None:
 def compare_with_trl(steps: int = 6, rounds: int = 1, console: Console | None = None,
                      against: list[str] = ()) -> dict[str, str]:
     """TRL's GRPOTrainer, minigrpo as it runs by default (transformers generation on a cpu, its own dtype and
-    checkpointing choices), minigrpo with the vLLM engine, and minigrpo's default from each other checkout
+    checkpointing choices), the same in bfloat16 (where the cpu has bf16 instructions: the opt-in there),
+    minigrpo with the vLLM engine, and minigrpo's default from each other checkout
     in `against` (a folder with an older or changed copy of the code), taking turns. A trainer that cannot
     run here is skipped with the reason, one that fails is shown with its last lines, and the table always
     prints what was measured. Returns the reason for each trainer left out."""
-    from minigrpo.hardware import vllm_available
+    from minigrpo.hardware import cpu_has_bf16, vllm_available
 
     console = console or Console(width=140)
     ours = {k: v for k, v in TRL_SETTING.items() if k not in ("gradient_checkpointing", "load_in_4bit")}
     columns = {"TRL GRPOTrainer": None, "minigrpo": dict(ours, generator="auto"),
+               "minigrpo (bf16)": dict(ours, generator="auto", dtype="bfloat16"),
                "minigrpo (vllm)": dict(ours, generator="vllm")}
     code_dirs = {f"minigrpo ({Path(folder).name})": folder for folder in against}
     columns.update({name: dict(ours, generator="auto") for name in code_dirs})
     left_out = {}
+    if not cpu_has_bf16():
+        left_out["minigrpo (bf16)"] = "this cpu has no bf16 instructions (bf16 would be emulated)"
     if importlib.util.find_spec("trl") is None:
         left_out["TRL GRPOTrainer"] = "TRL is not installed (pip install trl)"
     if not vllm_available():

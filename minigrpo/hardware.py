@@ -97,9 +97,9 @@ def compute_dtype(gpu: Gpu | None, requested: str = "auto", cpu_bf16: bool | Non
     (it counts emulation), where vLLM refuses bf16 and torch emulates it slowly. Below 8.0, fp16 with a
     gradient scaler and a check of the first rollout's numbers (some models overflow in fp16; the run then
     falls back to fp32). On a cpu (`gpu` None), fp32. Where the cpu has bf16 instructions (`cpu_bf16`; None
-    reads this machine's flags) a bf16 matmul is about 2x faster, and a bf16 step 0.7x as long, but the quick
-    start learned less in bf16 (two runs against fp32's one; README, "Speed on a CPU"): LoRA's small updates
-    round away when added to bf16 activations. So bf16 on a cpu is an opt-in (--dtype bfloat16).
+    reads this machine's flags) a bf16 matmul is about 2x faster and a step 0.6-0.7x as long, but the quick
+    start learned less in bf16 (two runs each; README, "Speed on a CPU"), likely as LoRA's first small updates
+    round away in bf16 activations. So bf16 on a cpu is an opt-in (--dtype bfloat16).
 
     >>> compute_dtype(CARDS["t4"])[0], compute_dtype(CARDS["4090"])[0]
     (torch.float16, torch.bfloat16)

@@ -37,9 +37,11 @@ class Loaded:
     plan: Plan
 
 
-def plan_run(cfg: TrainConfig, model_config, gpu: Gpu | None, say, dtype: str | None = None) -> Plan:
-    """The run's plan, said in one line; a run that cannot fit stops here, before anything loads."""
-    settings = Settings.of(cfg)
+def plan_run(cfg: TrainConfig, model_config, gpu: Gpu | None, say, dtype: str | None = None,
+             prompt_tokens: int | None = None) -> Plan:
+    """The run's plan, said in one line; a run that cannot fit stops here, before anything loads. With
+    `prompt_tokens` (the task's longest prompt), its memory is planned for those rather than a typical prompt."""
+    settings = Settings.of(cfg) if prompt_tokens is None else Settings.of(cfg, prompt_tokens)
     settings.dtype = dtype or settings.dtype
     plan = make_plan(model_config, gpu, settings, vllm_available())
     say(f"plan: {plan.summary()}" + (f" ({plan.generator_reason})" if plan.generator != "vllm" and gpu else ""))
@@ -50,20 +52,23 @@ def plan_run(cfg: TrainConfig, model_config, gpu: Gpu | None, say, dtype: str | 
     return plan
 
 
-def check_lengths(cfg: TrainConfig, task: Task, tokenizer, context: int | None) -> None:
+def check_lengths(cfg: TrainConfig, task: Task, tokenizer, context: int | None) -> int:
     """Before the model loads: the prompt and completion budgets fit the model's context, and every prompt
-    of the task's data fits the prompt budget (one tokenizer pass), naming the first that does not."""
+    of the task's data fits the prompt budget (one tokenizer pass), naming the first that does not.
+    Returns the longest prompt's length in tokens."""
     if context and cfg.max_prompt_tokens + cfg.max_new_tokens > context:
         raise ValueError(f"--max-prompt-tokens {cfg.max_prompt_tokens} + --max-new-tokens {cfg.max_new_tokens} is "
                          f"more than {cfg.model}'s context of {context} tokens: lower them to at most {context} "
                          f"together")
     rows, places, source = rows_and_places(task, cfg.seed)
     texts = [render_prompt(tokenizer, row["prompt"]) for row in rows]
-    for ids, place in zip(tokenizer(texts, add_special_tokens=False).input_ids, places):
-        if len(ids) > cfg.max_prompt_tokens:
-            raise ValueError(f"{source}, {place}: the prompt is {len(ids)} tokens, more than --max-prompt-tokens "
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
+    for length, place in zip(lengths, places):
+        if length > cfg.max_prompt_tokens:
+            raise ValueError(f"{source}, {place}: the prompt is {length} tokens, more than --max-prompt-tokens "
                              f"{cfg.max_prompt_tokens}: raise it (up to {context or 'the context'} minus "
                              f"--max-new-tokens), or shorten the prompt")
+    return max(lengths, default=0)
 
 
 def load_for_training(cfg: TrainConfig, say=print, task: Task | None = None) -> Loaded:
@@ -74,9 +79,10 @@ def load_for_training(cfg: TrainConfig, say=print, task: Task | None = None) -> 
     weights = resolve_weights(cfg.hub_id)
     model_config = AutoConfig.from_pretrained(weights)
     tokenizer = load_tokenizer(weights)
+    longest = None
     if task is not None:
-        check_lengths(cfg, task, tokenizer, getattr(model_config, "max_position_embeddings", None))
-    plan = plan_run(cfg, model_config, gpu, say)
+        longest = check_lengths(cfg, task, tokenizer, getattr(model_config, "max_position_embeddings", None)) or None
+    plan = plan_run(cfg, model_config, gpu, say, prompt_tokens=longest)
     if cfg.gradient_checkpointing is None:  # the plan decides, and config.json records what it decided
         cfg.gradient_checkpointing = plan.checkpointing
     loaded = _load(cfg, weights, tokenizer, compute_dtype(gpu, cfg.dtype)[0], plan, say)
@@ -96,7 +102,7 @@ def load_for_training(cfg: TrainConfig, say=print, task: Task | None = None) -> 
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    plan = plan_run(cfg, model_config, gpu, say, dtype="float32")
+    plan = plan_run(cfg, model_config, gpu, say, dtype="float32", prompt_tokens=longest)
     return _load(cfg, weights, tokenizer, torch.float32, plan, say)
 
 
