@@ -25,7 +25,7 @@ def run(tmp_path_factory):
                                                for w in ["hello", "tree", "eleven", "yes"] * 5))
     return train(TrainConfig(task=str(folder / "data.jsonl"), rewards=[f"{folder / 'reward.py'}:letter_e"], steps=2,
                              num_generations=4, prompts_per_step=2, max_new_tokens=12, learning_rate=3e-3,
-                             sample_every=0, seed=2, output_dir=str(folder / "run"),
+                             sample_every=0, seed=2, output_dir=str(folder / "run"), eval_before_after=False,
                              dtype="float32"))  # an exact export is checked against an exact run
 
 
@@ -94,7 +94,8 @@ def test_plot_writes_a_png(run):
 def test_metrics_reach_tensorboard_only_when_asked(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    settings = dict(steps=1, num_generations=2, prompts_per_step=1, max_new_tokens=6, sample_every=0)
+    settings = dict(steps=1, num_generations=2, prompts_per_step=1, max_new_tokens=6, sample_every=0,
+                    eval_before_after=False)
     quiet = train(TrainConfig(output_dir=str(tmp_path / "quiet"), **settings))
     assert not (quiet / "tensorboard").exists()
     loud = train(TrainConfig(output_dir=str(tmp_path / "loud"), report_to=["tensorboard"], **settings))

@@ -100,7 +100,8 @@ def test_train_with_vllm_end_to_end(tmp_path, tiny_model_path, monkeypatch):
                                                                                         _real(self)))
     out = tmp_path / "run"
     train(TrainConfig(generator="vllm", load_in_4bit=True, steps=3, num_generations=4, prompts_per_step=2, max_new_tokens=16,
-                      output_dir=str(out), sample_every=0, seed=3, dtype="float32"))
+                      output_dir=str(out), sample_every=0, seed=3, dtype="float32",
+                      eval_before_after=False))  # the engine's part, not the evaluation's
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 3
     for m in metrics:
@@ -111,5 +112,6 @@ def test_train_with_vllm_end_to_end(tmp_path, tiny_model_path, monkeypatch):
 
     # a second run in the same process (a notebook cell run again) starts its own engine and trains
     train(TrainConfig(generator="vllm", load_in_4bit=True, steps=1, num_generations=2, prompts_per_step=1,
-                      max_new_tokens=8, output_dir=str(tmp_path / "again"), sample_every=0, seed=4))
+                      max_new_tokens=8, output_dir=str(tmp_path / "again"), sample_every=0, seed=4,
+                      eval_before_after=False))
     assert calls["engine"] == 2 and len(closed) == 2
