@@ -37,6 +37,9 @@ class Groups:
     scores: Scores
     generate_s: float = 0.0  # seconds spent sampling these
     reward_s: float = 0.0  # seconds spent scoring them
+    # [B] per completion token, True where the model wrote it; None: every token is the model's. In an
+    # episode, tool results and environment text sit in the completion as context and are never trained on
+    model_masks: list[list[bool]] | None = None
 
     def select(self, groups: list[int], G: int) -> "Groups":
         rows = [i * G + j for i in groups for j in range(G)]
@@ -45,7 +48,7 @@ class Groups:
                         {k: pick(v) for k, v in self.scores.parts.items()}, dict(self.scores.errors))
         return Groups([self.rows[i] for i in groups], [self.prompt_ids[i] for i in groups], pick(self.completion_ids),
                       pick(self.completions), pick(self.truncated), pick(self.sampler_logps), scores,
-                      self.generate_s, self.reward_s)
+                      self.generate_s, self.reward_s, pick(self.model_masks))
 
     def __add__(self, other: "Groups") -> "Groups":
         both = lambda a, b: a + b if a is not None and b is not None else None  # noqa: E731
@@ -58,7 +61,8 @@ class Groups:
         return Groups(self.rows + other.rows, self.prompt_ids + other.prompt_ids,
                       self.completion_ids + other.completion_ids, self.completions + other.completions,
                       self.truncated + other.truncated, both(self.sampler_logps, other.sampler_logps), scores,
-                      self.generate_s + other.generate_s, self.reward_s + other.reward_s)
+                      self.generate_s + other.generate_s, self.reward_s + other.reward_s,
+                      both(self.model_masks, other.model_masks))
 
 
 def rollout(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, weights: list[float],

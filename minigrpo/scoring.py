@@ -87,9 +87,9 @@ class RewardCrash(Exception):
     """A reward call that did not return: it raised, exited, or ran past its time. Scored like raising."""
 
 
-class RewardTimeout(BaseException):
-    """Raised inside a reward call that ran past its time (a BaseException, so `except Exception` in the
-    reward's own code does not swallow it)."""
+class OutOfTime(BaseException):
+    """Raised inside a reward or tool call that ran past its time (a BaseException, so `except Exception`
+    in the user's own code does not swallow it)."""
 
 
 def call_reward(fn: Callable, kwargs: dict, n: int, timeout: float | None = None) -> list:
@@ -100,11 +100,12 @@ def call_reward(fn: Callable, kwargs: dict, n: int, timeout: float | None = None
     taken as floats, as TRL does."""
     name = reward_name(fn)
     try:
-        with _time_limit(timeout * max(n, 1) if timeout else None, name), _real_interrupts() as interrupted:
+        with time_limit(timeout * max(n, 1) if timeout else None, f"reward function {name}",
+                        "--reward-timeout sets it per completion"), real_interrupts() as interrupted:
             values = fn(**copy.deepcopy(kwargs))
             if inspect.isawaitable(values):
                 values = asyncio.run(_await(values))
-    except RewardTimeout as error:
+    except OutOfTime as error:
         raise RewardCrash(str(error)) from None
     except SystemExit as error:
         raise RewardCrash(f"called sys.exit({error.code!r})") from None
@@ -142,18 +143,19 @@ def _checked(name: str, i: int, value):
 
 
 @contextlib.contextmanager
-def _time_limit(seconds: float | None, name: str):
-    """Interrupt the call after `seconds` (SIGALRM: main thread, POSIX), and say so when it takes long."""
+def time_limit(seconds: float | None, what: str, hint: str = ""):
+    """Interrupt the call after `seconds` (SIGALRM: main thread, POSIX), and say so when it takes long.
+    `what` names the user's code in the notice ("reward function f"); `hint` says how to change the limit."""
     use_alarm = seconds and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
     if not use_alarm:
         yield
         return
 
     def expire(signum, frame):
-        raise RewardTimeout(f"ran past its time limit ({seconds:g} s; --reward-timeout sets it per completion)")
+        raise OutOfTime(f"ran past its time limit ({seconds:g} s{'; ' + hint if hint else ''})")
 
     notice = threading.Timer(SLOW_NOTICE_S, lambda: print(
-        f"scoring: reward function {name} is still running after {SLOW_NOTICE_S:g} s (limit {seconds:g} s)...",
+        f"minigrpo: {what} is still running after {SLOW_NOTICE_S:g} s (limit {seconds:g} s)...",
         file=sys.stderr, flush=True))
     notice.daemon = True
     previous = signal.signal(signal.SIGALRM, expire)
@@ -168,7 +170,7 @@ def _time_limit(seconds: float | None, name: str):
 
 
 @contextlib.contextmanager
-def _real_interrupts():
+def real_interrupts():
     """Records a real SIGINT during the call (then passes it on), so that a KeyboardInterrupt the reward's
     code raised itself can be told from the user's Ctrl-C."""
     seen: list[int] = []

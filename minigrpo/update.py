@@ -34,6 +34,8 @@ def micro_batches(cfg: TrainConfig, batch: Groups, pad_id: int, device) -> Micro
     full_mask = torch.arange(lengths.max())[None, :] < lengths[:, None]  # [B, T]
     if cfg.mask_truncated:
         full_mask &= ~torch.tensor(batch.truncated)[:, None]  # [B, T]
+    if batch.model_masks is not None:  # tool results and environment text: context only, never trained on
+        full_mask &= padded(batch.model_masks, full_mask.shape).bool()  # [B, T]
     sampler = padded(batch.sampler_logps, full_mask.shape) if batch.sampler_logps is not None else None  # [B, T]
     chunks = [slice(s, s + cfg.micro_batch_size) for s in range(0, len(pairs), cfg.micro_batch_size)]
     inputs = [pad_batch(pairs[c], pad_id, device) for c in chunks]
