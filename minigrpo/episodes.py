@@ -1,0 +1,108 @@
+"""Episodes: the model's turns and the tools' results, alternating, for every completion of a step.
+
+Each of the G episodes of a prompt starts from the prompt; turn by turn, all the episodes still going are
+sampled in one batch (the first turn with one prefill per prompt, as single replies are), each model turn's
+tool calls are run (`minigrpo.tools`) and their results appended as the chat template writes them. An
+episode ends when the model answers without calling a tool, at `max_turns`, or when its tokens reach
+`max_episode_tokens` (cut: marked truncated, like a reply cut at its length limit).
+
+An episode is one completion to the rest of the loop: its tokens are everything after the prompt, with a
+mask that is True only where the model wrote them, so tool results are context and never trained on
+(`Groups.model_masks`); the sampler's log-probs cover the model's tokens, 0 elsewhere (masked out).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from minigrpo.generation import Generator, Sampling
+from minigrpo.tools import message, parse_calls, run_call, turn_text
+
+
+@dataclass
+class Episode:
+    group: int  # which prompt
+    messages: list[dict]  # the conversation after the prompt: assistant turns and tool results
+    ids: list[int] = field(default_factory=list)  # every token after the prompt
+    mask: list[bool] = field(default_factory=list)  # True where the model wrote the token
+    logps: list[float] = field(default_factory=list)  # the sampler's log-probs, 0.0 for the tools' tokens
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: dict[str, int] = field(default_factory=dict)  # kind (tools.ERRORS) -> count
+    cut: str | None = None  # "turns" or "tokens" when a limit ended the episode
+    done: bool = False
+
+    @property
+    def truncated(self) -> bool:
+        return self.cut is not None
+
+
+@dataclass
+class Limits:
+    max_new_tokens: int  # per model turn
+    max_turns: int = 4  # model turns per episode
+    max_episode_tokens: int = 1024  # all tokens after the prompt: the model's and the tools'
+    tool_timeout: float = 10.0  # seconds per call
+    tool_max_chars: int = 2000  # a longer result is cut, with a marker
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+def run_episodes(generator: Generator, tokenizer, tools: list[Callable], prompt_ids: list[list[int]], G: int,
+                 limits: Limits) -> list[Episode]:
+    """G episodes per prompt, in group order (episodes [0, G) belong to prompt 0)."""
+    table = {fn.__name__: fn for fn in tools}
+    episodes = [Episode(i // G, []) for i in range(len(prompt_ids) * G)]
+    live, contexts, n = episodes, prompt_ids, G  # the first turn: one prefill per prompt
+    while live:
+        room = max(limits.max_episode_tokens - len(e.ids) for e in live)
+        out = generator.generate(contexts, Sampling(n, min(limits.max_new_tokens, room), limits.temperature,
+                                                    limits.top_p))
+        logps = out.sampler_logps or [None] * len(live)
+        for e, ids, cut_short, lp in zip(live, out.completion_ids, out.truncated, logps):
+            _model_turn(e, ids, cut_short, lp, limits, tokenizer)
+            if not e.done:
+                _tool_turn(e, tokenizer, tools, table, limits)
+        live = [e for e in episodes if not e.done]
+        contexts, n = [prompt_ids[e.group] + e.ids for e in live], 1
+    return episodes
+
+
+def _model_turn(e: Episode, ids: list[int], cut_short: bool, logps: list[float] | None, limits: Limits,
+                tokenizer) -> None:
+    room = limits.max_episode_tokens - len(e.ids)
+    if len(ids) > room:  # the batch's turn limit was set by the episode with the most room left
+        ids, logps, cut_short = ids[:room], logps[:room] if logps else logps, True
+    e.ids += ids
+    e.mask += [True] * len(ids)
+    e.logps += list(logps) if logps else [0.0] * len(ids)
+    e.turns += 1
+    e.messages.append({"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)})
+    if cut_short:
+        e.done, e.cut = True, "tokens"
+
+
+def _tool_turn(e: Episode, tokenizer, tools: list[Callable], table: dict, limits: Limits) -> None:
+    """The model's turn read; its calls run and their results appended, or the episode ended."""
+    calls = parse_calls(e.messages[-1]["content"])
+    if not calls:  # an answer: the episode is over
+        e.done = True
+        return
+    if e.turns >= limits.max_turns:
+        e.done, e.cut = True, "turns"
+        return
+    results = [run_call(table, call, limits.tool_timeout, limits.tool_max_chars) for call in calls]
+    e.tool_calls += len(calls)
+    for r in results:
+        if r.error:
+            e.tool_errors[r.error] = e.tool_errors.get(r.error, 0) + 1
+    replies = [message(r) for r in results]
+    ids = tokenizer(turn_text(tokenizer, replies, tools), add_special_tokens=False).input_ids
+    e.messages += replies
+    if len(e.ids) + len(ids) >= limits.max_episode_tokens:  # no room left for the model to read them and answer
+        e.done, e.cut = True, "tokens"
+        return
+    e.ids += ids
+    e.mask += [False] * len(ids)
+    e.logps += [0.0] * len(ids)
