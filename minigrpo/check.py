@@ -81,9 +81,11 @@ def print_report(reports: list[dict], title: str, console: Console) -> None:
             console.print(f"[yellow]warning[/]: {r['function']}: {warning}", highlight=False)
 
 
-def stand_ins(rows: list[dict]) -> list[dict]:
-    """Junk completions no reward should break on: empty, and the prompt itself, for the first two rows."""
-    return [dict(row, completion=text) for row in rows[:2] for text in ("", str(row["prompt"]))]
+def stand_ins(rows: list[dict], chat: bool = False) -> list[dict]:
+    """Junk completions no reward should break on: empty, and the prompt itself, for the first two rows; as
+    chat messages where training gives rewards those (chat-format prompts, and episodes)."""
+    shape = (lambda text: [{"role": "assistant", "content": text}]) if chat else (lambda text: text)  # noqa: E731
+    return [dict(row, completion=shape(text)) for row in rows[:2] for text in ("", str(row["prompt"]))]
 
 
 def precheck_rewards(task: Task, weights: list[float], rows: list[dict], timeout: float | None = None) -> list[str]:
@@ -101,6 +103,7 @@ def precheck_rewards(task: Task, weights: list[float], rows: list[dict], timeout
         score(task.rewards, weights, *batch_of(task.examples), strict=True, timeout=timeout)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        score(task.rewards, weights, *batch_of(stand_ins(rows)), timeout=timeout)
+        chat = bool(task.tools) or bool(rows) and isinstance(rows[0]["prompt"], list)
+        score(task.rewards, weights, *batch_of(stand_ins(rows, chat)), timeout=timeout)
     return [f"on stand-in completions (empty, or the prompt itself): {w.message}" for w in caught
             if "reward function" in str(w.message)]

@@ -32,6 +32,12 @@ def train(
     strict_rewards: bool = typer.Option(False, help="Stop when a reward function raises (default: score 0)."),
     allow_unconfined_code: bool = typer.Option(False, help=UNCONFINED_HELP),
     reward_timeout: float = typer.Option(10.0, help=TIMEOUT_HELP),
+    tool: list[str] = typer.Option([], help="A tool the model may call, file.py:function (repeat): each "
+                                            "completion becomes an episode of turns [default: the task's own]."),
+    max_turns: int = typer.Option(4, help="Model turns per episode, with tools."),
+    max_episode_tokens: int = typer.Option(None, help="Tokens after the prompt per episode, tool results "
+                                                      "included [default: max-turns x max-new-tokens]."),
+    tool_timeout: float = typer.Option(10.0, help="Seconds a tool call may take."),
     steps: int = typer.Option(None, help="Optimizer steps [default: 30; with --resume, the run's own]."),
     resume: str = typer.Option(None, help="Continue this run folder from its latest checkpoint (other flags "
                                           "are taken from its config.json, but --steps may extend it) [default: none, a new run]."),
@@ -114,7 +120,8 @@ def train(
                 temperature=temperature, top_p=top_p, micro_batch_size=micro_batch_size, generator=generator,
                 gpu_memory_utilization=gpu_memory_utilization, tis_cap=tis_cap, seed=seed,
                 load_in_4bit=load_in_4bit, dtype=dtype, gradient_checkpointing=gradient_checkpointing,
-                sample_every=sample_every, report_to=report_to,
+                sample_every=sample_every, report_to=report_to, tools=tool, max_turns=max_turns,
+                max_episode_tokens=max_episode_tokens, tool_timeout=tool_timeout,
             )
         except ValueError as error:
             raise typer.BadParameter(str(error)) from None

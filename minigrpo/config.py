@@ -75,6 +75,13 @@ class TrainConfig:
     gpu_memory_utilization: float | None = None  # the vllm engine's share of the card; None: sized by the plan
     tis_cap: float = 2.0  # truncated importance sampling: cap on trainer/sampler probability ratios; 0 off
 
+    # episodes: with tools (the task's, or these "file.py:function"), each completion is an episode of model
+    # turns and tool results (minigrpo/episodes.py)
+    tools: list[str] = field(default_factory=list)
+    max_turns: int = 4  # model turns per episode
+    max_episode_tokens: int | None = None  # every token after the prompt, tools' included; None: turns x new tokens
+    tool_timeout: float = 10.0  # seconds a tool call may take
+
     # objective (minigrpo/loss.py has the formulas)
     learning_rate: float | None = None  # None: from the preset
     beta: float = 0.0  # weight of the k3 KL to the reference; 0 skips the reference pass entirely
@@ -191,10 +198,18 @@ class TrainConfig:
             (self.logprob_chunk_size >= 1, "logprob_chunk_size must be at least 1"),
             (self.lora_rank >= 1, "lora_rank must be at least 1"),
             (self.reward_timeout >= 0, "reward_timeout must be >= 0 (0: no limit)"),
+            (self.max_turns >= 1, "max_turns must be at least 1"),
+            (self.max_episode_tokens is None or self.max_episode_tokens >= 1, "max_episode_tokens must be at least 1"),
+            (self.tool_timeout > 0, "tool_timeout must be > 0"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"bad config: {message}")
+
+    @property
+    def completion_tokens(self) -> int:
+        """The longest a completion can be: an episode's budget where the task has tools, else max_new_tokens."""
+        return self.max_episode_tokens or self.max_new_tokens
 
     @property
     def hub_id(self) -> str:

@@ -71,16 +71,28 @@ class Display:
         # None: the reward does not apply to this sample
         parts = "  ".join(f"{k} {'n/a' if v is None else f'{v:.2f}'}" for k, v in sample["reward_parts"].items())
         title = f"step {step} sample: reward {sample['reward']:.2f} ({parts}), advantage {sample['advantage']:+.2f}"
+        completion = shown(sample["completion"])
         if not self.terminal:
-            self.print(f"{title}\n  prompt: {sample['prompt']}\n  completion: {sample['completion']}", highlight=False,
+            self.print(f"{title}\n  prompt: {shown(sample['prompt'])}\n  completion: {completion}", highlight=False,
                        markup=False)
             return
         body = Text()
         body.append("prompt: ", style="bold")
-        body.append(f"{sample['prompt']}\n")
+        body.append(f"{shown(sample['prompt'])}\n")
         body.append("completion: ", style="bold")
-        body.append(sample["completion"])
+        body.append(completion)
         self.print(Panel(body, title=title, title_align="left"))
+
+
+def shown(text_or_messages) -> str:
+    """A prompt or completion for the console: text as it is; chat messages (an episode) turn by turn.
+
+    >>> shown([{"role": "assistant", "content": "<tool_call>...</tool_call>"}, {"role": "tool", "content": "42"}])
+    '[assistant] <tool_call>...</tool_call>\\n  [tool] 42'
+    """
+    if isinstance(text_or_messages, str):
+        return text_or_messages
+    return "\n  ".join(f"[{m.get('role', '?')}] {m.get('content', '')}" for m in text_or_messages)
 
 
 def describe_eval(r: dict) -> str:

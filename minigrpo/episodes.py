@@ -26,7 +26,8 @@ class Episode:
     messages: list[dict]  # the conversation after the prompt: assistant turns and tool results
     ids: list[int] = field(default_factory=list)  # every token after the prompt
     mask: list[bool] = field(default_factory=list)  # True where the model wrote the token
-    logps: list[float] = field(default_factory=list)  # the sampler's log-probs, 0.0 for the tools' tokens
+    # the sampler's log-probs, 0.0 for the tools' tokens; None where the generator does not report them
+    logps: list[float] | None = field(default_factory=list)
     turns: int = 0
     tool_calls: int = 0
     tool_errors: dict[str, int] = field(default_factory=dict)  # kind (tools.ERRORS) -> count
@@ -73,10 +74,10 @@ def _model_turn(e: Episode, ids: list[int], cut_short: bool, logps: list[float] 
                 tokenizer) -> None:
     room = limits.max_episode_tokens - len(e.ids)
     if len(ids) > room:  # the batch's turn limit was set by the episode with the most room left
-        ids, logps, cut_short = ids[:room], logps[:room] if logps else logps, True
+        ids, logps, cut_short = ids[:room], logps[:room] if logps is not None else None, True
     e.ids += ids
     e.mask += [True] * len(ids)
-    e.logps += list(logps) if logps else [0.0] * len(ids)
+    e.logps = e.logps + list(logps) if e.logps is not None and logps is not None else None
     e.turns += 1
     e.messages.append({"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)})
     if cut_short:
@@ -105,4 +106,13 @@ def _tool_turn(e: Episode, tokenizer, tools: list[Callable], table: dict, limits
         return
     e.ids += ids
     e.mask += [False] * len(ids)
-    e.logps += [0.0] * len(ids)
+    e.logps = e.logps + [0.0] * len(ids) if e.logps is not None else None
+
+
+def episode_stats(episodes: list[Episode]) -> dict[str, int]:
+    """Totals over the episodes, summed across rounds and turned into per-episode means in the step's metrics."""
+    return {"episodes": len(episodes), "turns": sum(e.turns for e in episodes),
+            "tool_calls": sum(e.tool_calls for e in episodes),
+            "tool_errors": sum(sum(e.tool_errors.values()) for e in episodes),
+            "cut_by_turns": sum(e.cut == "turns" for e in episodes),
+            "cut_by_tokens": sum(e.cut == "tokens" for e in episodes)}

@@ -38,8 +38,8 @@ class Evaluator:
         from minigrpo.rollout import render_prompt
 
         start = time.perf_counter()
-        prompt_ids = [self.tokenizer(render_prompt(self.tokenizer, r["prompt"]), add_special_tokens=False).input_ids
-                      for r in self.rows]
+        prompt_ids = [self.tokenizer(render_prompt(self.tokenizer, r["prompt"], self.task.tools),
+                                     add_special_tokens=False).input_ids for r in self.rows]
         greedy = self._totals(prompt_ids, Sampling(1, self.cfg.max_new_tokens, temperature=0.0))
         n = self.cfg.eval_samples if with_samples else 1
         sampled = self._totals(prompt_ids, Sampling(n, self.cfg.max_new_tokens, self.cfg.temperature,
@@ -59,11 +59,13 @@ class Evaluator:
         return result
 
     def _totals(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[float]:
-        out = self.generator.generate(prompt_ids, sampling)
-        texts = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-        rows = [self.rows[i // sampling.n] for i in range(len(texts))]
-        return score(self.task.rewards, self.weights, [r["prompt"] for r in rows], texts, out.completion_ids,
-                     rows, timeout=self.cfg.reward_timeout).totals
+        from minigrpo.rollout import complete
+
+        out = complete(self.cfg, self.tokenizer, self.generator, self.task.tools, prompt_ids, sampling,
+                       isinstance(self.rows[0]["prompt"], list))
+        rows = [self.rows[i // sampling.n] for i in range(len(out.completions))]
+        return score(self.task.rewards, self.weights, [r["prompt"] for r in rows], out.completions,
+                     out.completion_ids, rows, timeout=self.cfg.reward_timeout).totals
 
 
 def stderr(values: list[float]) -> float:

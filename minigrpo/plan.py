@@ -176,7 +176,7 @@ class Settings:
     @classmethod
     def of(cls, cfg, prompt_tokens: int = 192) -> "Settings":
         return cls(cfg.num_generations * cfg.prompts_per_step, cfg.prompts_per_step,
-                   min(prompt_tokens, cfg.max_prompt_tokens), cfg.max_new_tokens, cfg.max_prompt_tokens,
+                   min(prompt_tokens, cfg.max_prompt_tokens), cfg.completion_tokens, cfg.max_prompt_tokens,
                    cfg.lora_rank, cfg.load_in_4bit if cfg.load_in_4bit is not None else True, cfg.micro_batch_size,
                    cfg.logprob_chunk_size, cfg.gradient_checkpointing, cfg.dtype, cfg.generator,
                    cfg.gpu_memory_utilization)

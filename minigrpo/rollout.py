@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -17,12 +17,47 @@ from minigrpo.scoring import Scores, score
 from minigrpo.tasks import Task
 
 
-def render_prompt(tokenizer, prompt: str | list[dict]) -> str:
-    """A prompt as the model sees it: through its chat template when it has one."""
+def render_prompt(tokenizer, prompt: str | list[dict], tools: list = ()) -> str:
+    """A prompt as the model sees it: through its chat template when it has one, with the task's tools
+    offered (in the template's own way, or in the system message where it has none)."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if tools:
+        from minigrpo.tools import render
+
+        return render(tokenizer, messages, tools)
     if tokenizer.chat_template:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return "\n".join(m["content"] for m in messages) + "\n"
+
+
+@dataclass
+class Completed:
+    """What `complete` sampled: one entry per completion, in group order."""
+    completion_ids: list[list[int]]
+    completions: list  # text, or chat messages (chat-format prompts, and every episode)
+    truncated: list[bool]
+    sampler_logps: list[list[float]] | None
+    model_masks: list[list[bool]] | None  # episodes: True where the model wrote the token
+    stats: dict  # episodes: totals of turns, tool calls, tool errors, cuts (`episodes.episode_stats`)
+
+
+def complete(cfg: TrainConfig, tokenizer, generator: Generator, tools: list, prompt_ids: list[list[int]],
+             sampling: Sampling, chat: bool) -> Completed:
+    """`sampling.n` completions of each prompt: single replies, or, where the task has tools, episodes."""
+    if not tools:
+        out = generator.generate(prompt_ids, sampling)
+        completions = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+        if chat:  # chat-format data gets chat-format completions, as in TRL
+            completions = [[{"role": "assistant", "content": c}] for c in completions]
+        return Completed(out.completion_ids, completions, out.truncated, out.sampler_logps, None, {})
+    from minigrpo.episodes import Limits, episode_stats, run_episodes
+
+    limits = Limits(sampling.max_new_tokens, cfg.max_turns, cfg.completion_tokens, cfg.tool_timeout,
+                    temperature=sampling.temperature, top_p=sampling.top_p)
+    episodes = run_episodes(generator, tokenizer, tools, prompt_ids, sampling.n, limits)
+    logps = [e.logps for e in episodes] if all(e.logps is not None for e in episodes) else None
+    return Completed([e.ids for e in episodes], [e.messages for e in episodes], [e.truncated for e in episodes],
+                     logps, [e.mask for e in episodes], episode_stats(episodes))
 
 
 @dataclass
@@ -40,6 +75,7 @@ class Groups:
     # [B] per completion token, True where the model wrote it; None: every token is the model's. In an
     # episode, tool results and environment text sit in the completion as context and are never trained on
     model_masks: list[list[bool]] | None = None
+    episode_stats: dict = field(default_factory=dict)  # totals over every episode sampled, kept or not
 
     def select(self, groups: list[int], G: int) -> "Groups":
         rows = [i * G + j for i in groups for j in range(G)]
@@ -48,7 +84,7 @@ class Groups:
                         {k: pick(v) for k, v in self.scores.parts.items()}, dict(self.scores.errors))
         return Groups([self.rows[i] for i in groups], [self.prompt_ids[i] for i in groups], pick(self.completion_ids),
                       pick(self.completions), pick(self.truncated), pick(self.sampler_logps), scores,
-                      self.generate_s, self.reward_s, pick(self.model_masks))
+                      self.generate_s, self.reward_s, pick(self.model_masks), self.episode_stats)
 
     def __add__(self, other: "Groups") -> "Groups":
         both = lambda a, b: a + b if a is not None and b is not None else None  # noqa: E731
@@ -62,30 +98,30 @@ class Groups:
                       self.completion_ids + other.completion_ids, self.completions + other.completions,
                       self.truncated + other.truncated, both(self.sampler_logps, other.sampler_logps), scores,
                       self.generate_s + other.generate_s, self.reward_s + other.reward_s,
-                      both(self.model_masks, other.model_masks))
+                      both(self.model_masks, other.model_masks),
+                      {k: self.episode_stats.get(k, 0) + other.episode_stats.get(k, 0)
+                       for k in self.episode_stats.keys() | other.episode_stats.keys()})
 
 
 def rollout(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, weights: list[float],
             rows: list[dict]) -> Groups:
     """G completions for each row's prompt, decoded and scored."""
     G = cfg.num_generations
-    prompt_texts = [render_prompt(tokenizer, row["prompt"]) for row in rows]
+    prompt_texts = [render_prompt(tokenizer, row["prompt"], task.tools) for row in rows]
     prompt_ids = [tokenizer(text, add_special_tokens=False).input_ids for text in prompt_texts]
     for row, ids in zip(rows, prompt_ids):
         if len(ids) > cfg.max_prompt_tokens:
             raise ValueError(f"a prompt of {len(ids)} tokens is longer than max_prompt_tokens="
                              f"{cfg.max_prompt_tokens}: {str(row['prompt'])[:80]!r}...")
     t0 = time.perf_counter()
-    out = generator.generate(prompt_ids, Sampling(G, cfg.max_new_tokens, cfg.temperature, cfg.top_p))
+    out = complete(cfg, tokenizer, generator, task.tools, prompt_ids,
+                   Sampling(G, cfg.max_new_tokens, cfg.temperature, cfg.top_p), isinstance(rows[0]["prompt"], list))
     t1 = time.perf_counter()
-    completions = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-    if isinstance(rows[0]["prompt"], list):  # chat-format data gets chat-format completions, as in TRL
-        completions = [[{"role": "assistant", "content": c}] for c in completions]
-    scores = score(task.rewards, weights, [rows[i // G]["prompt"] for i in range(len(completions))], completions,
-                   out.completion_ids, [rows[i // G] for i in range(len(completions))], strict=cfg.strict_rewards,
-                   timeout=cfg.reward_timeout)
-    return Groups(rows, prompt_ids, out.completion_ids, completions, out.truncated, out.sampler_logps, scores,
-                  t1 - t0, time.perf_counter() - t1)
+    scores = score(task.rewards, weights, [rows[i // G]["prompt"] for i in range(len(out.completions))],
+                   out.completions, out.completion_ids, [rows[i // G] for i in range(len(out.completions))],
+                   strict=cfg.strict_rewards, timeout=cfg.reward_timeout)
+    return Groups(rows, prompt_ids, out.completion_ids, out.completions, out.truncated, out.sampler_logps, scores,
+                  t1 - t0, time.perf_counter() - t1, out.model_masks, out.stats)
 
 
 def collect(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, weights: list[float],
@@ -97,23 +133,40 @@ def collect(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, weigh
     prompts.record(batch.rows, batch.scores.totals, G, cfg.solved_reward)
     spread = L.groups_with_spread(torch.tensor(batch.scores.totals), G).tolist()
     info = {"frac_groups_reward_differs": float(np.mean(spread)), "filter/extra_rounds": 0,
-            "tokens_generated": sum(map(len, batch.completion_ids)),
+            "tokens_generated": generated_tokens(batch),
             "generate_s": batch.generate_s, "reward_s": batch.reward_s}
     if not cfg.filter_groups:
-        return batch, info
+        return batch, info | episode_metrics(batch.episode_stats)
     kept = batch.select([i for i, s in enumerate(spread) if s], G)
     while len(kept.rows) < cfg.prompts_per_step and info["filter/extra_rounds"] < cfg.max_filter_rounds:
         info["filter/extra_rounds"] += 1
         more = rollout(cfg, tokenizer, generator, task, weights, prompts.draw(cfg.prompts_per_step))
         prompts.record(more.rows, more.scores.totals, G, cfg.solved_reward)
-        info["tokens_generated"] += sum(map(len, more.completion_ids))
+        info["tokens_generated"] += generated_tokens(more)
         info["generate_s"] += more.generate_s
         info["reward_s"] += more.reward_s
         spread = L.groups_with_spread(torch.tensor(more.scores.totals), G).tolist()
         kept = kept + more.select([i for i, s in enumerate(spread) if s], G)
     kept = kept.select(list(range(min(len(kept.rows), cfg.prompts_per_step))), G)
     info["filter/groups_trained"] = len(kept.rows)
-    return kept, info
+    return kept, info | episode_metrics(kept.episode_stats)
+
+
+def generated_tokens(batch: Groups) -> int:
+    """The tokens the model wrote (an episode's tool results are not generated)."""
+    if batch.model_masks is not None:
+        return sum(map(sum, batch.model_masks))
+    return sum(map(len, batch.completion_ids))
+
+
+def episode_metrics(stats: dict) -> dict:
+    """Per-episode means of turns and tool calls, and counts of tool errors and of episodes cut by a limit."""
+    if not stats.get("episodes"):
+        return {}
+    n = stats["episodes"]
+    return {"episode/turns": stats["turns"] / n, "episode/tool_calls": stats["tool_calls"] / n,
+            "episode/tool_errors": stats["tool_errors"], "episode/cut_by_turns": stats["cut_by_turns"],
+            "episode/cut_by_tokens": stats["cut_by_tokens"]}
 
 
 class PromptPool:

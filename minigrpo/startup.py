@@ -56,18 +56,19 @@ def check_lengths(cfg: TrainConfig, task: Task, tokenizer, context: int | None) 
     """Before the model loads: the prompt and completion budgets fit the model's context, and every prompt
     of the task's data fits the prompt budget (one tokenizer pass), naming the first that does not.
     Returns the longest prompt's length in tokens."""
-    if context and cfg.max_prompt_tokens + cfg.max_new_tokens > context:
-        raise ValueError(f"--max-prompt-tokens {cfg.max_prompt_tokens} + --max-new-tokens {cfg.max_new_tokens} is "
+    budget = "--max-episode-tokens" if task.tools else "--max-new-tokens"
+    if context and cfg.max_prompt_tokens + cfg.completion_tokens > context:
+        raise ValueError(f"--max-prompt-tokens {cfg.max_prompt_tokens} + {budget} {cfg.completion_tokens} is "
                          f"more than {cfg.model}'s context of {context} tokens: lower them to at most {context} "
                          f"together")
     rows, places, source = rows_and_places(task, cfg.seed)
-    texts = [render_prompt(tokenizer, row["prompt"]) for row in rows]
+    texts = [render_prompt(tokenizer, row["prompt"], task.tools) for row in rows]
     lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
     for length, place in zip(lengths, places):
         if length > cfg.max_prompt_tokens:
             raise ValueError(f"{source}, {place}: the prompt is {length} tokens, more than --max-prompt-tokens "
                              f"{cfg.max_prompt_tokens}: raise it (up to {context or 'the context'} minus "
-                             f"--max-new-tokens), or shorten the prompt")
+                             f"{budget}), or shorten the prompt")
     return max(lengths, default=0)
 
 
@@ -124,7 +125,7 @@ def make_generator(cfg, model, tokenizer, plan, dtype: torch.dtype, say=print) -
                          "(the build for this machine), or train with --generator hf")
     try:
         return VLLMGenerator.start(model, tokenizer, lora_rank=cfg.lora_rank, seed=cfg.seed,
-                                   max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens,
+                                   max_model_len=cfg.max_prompt_tokens + cfg.completion_tokens,
                                    max_rows=cfg.num_generations * cfg.prompts_per_step,
                                    gpu_memory_utilization=plan.engine_share, sleep=plan.sleep,
                                    dtype=dtype)

@@ -42,14 +42,15 @@ class Task:
     examples: list[dict] = field(default_factory=list)  # rows plus "completion" (and "expected" total)
     source: Path | None = None  # the data file, for messages that name a line of it
     runs_code: bool = False  # its rewards run model-written code (minigrpo.sandbox): checked at the start
+    tools: list[Callable] = field(default_factory=list)  # with tools, each completion is an episode (TRL's `tools=`)
 
     @property
     def reward_names(self) -> list[str]:
         return [reward_name(fn) for fn in self.rewards]
 
 
-def get_task(spec: str, extra_rewards: list[str] = (), seed: int = 0) -> Task:
-    """The task `spec` names, with any extra reward functions appended."""
+def get_task(spec: str, extra_rewards: list[str] = (), seed: int = 0, extra_tools: list[str] = ()) -> Task:
+    """The task `spec` names, with any extra reward functions and tools (\"file.py:function\") appended."""
     if spec in BUILT_IN:
         task = built_in(spec)
     elif spec.endswith(".py"):
@@ -70,8 +71,17 @@ def get_task(spec: str, extra_rewards: list[str] = (), seed: int = 0) -> Task:
     if not rewards:
         raise ValueError(f"task {task.name} has no reward function; add one with --reward file.py:function")
     weights = (task.weights or [1.0] * len(task.rewards)) + [1.0] * len(extra_rewards)
+    from minigrpo.tools import schema
+
+    for fn in task.tools:
+        schema(fn)  # a task file's tool the model cannot be told about stops here, named
+    tools = list(task.tools) + [load_tool(t) for t in extra_tools]
+    names = [fn.__name__ for fn in tools]
+    if len(set(names)) < len(names):
+        raise ValueError(f"two tools share a name ({', '.join(sorted({n for n in names if names.count(n) > 1}))}): "
+                         f"the model calls a tool by its name, so each must be distinct")
     return Task(task.name, task.description, task.make_data, distinct_names(rewards), weights, task.examples,
-                task.source, task.runs_code)
+                task.source, task.runs_code, tools)
 
 
 def distinct_names(rewards: list[Callable]) -> list[Callable]:
@@ -123,6 +133,26 @@ def load_reward(spec: str) -> Callable:
     if not hasattr(module, name):
         raise ValueError(f"--reward {spec!r}: {where} has no {name}")
     return _callable(getattr(module, name), spec)
+
+
+def load_tool(spec: str) -> Callable:
+    """`path/to/file.py:function` or `package.module:function`, checked for a schema the model can be given."""
+    from minigrpo.tools import schema
+
+    where, sep, name = spec.rpartition(":")
+    if not sep or not name:
+        raise ValueError(f"--tool {spec!r} must be file.py:function or module:function")
+    if where.endswith(".py"):
+        fn = _load_attr(Path(where), name)
+    else:
+        try:
+            fn = getattr(importlib.import_module(where), name)
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"--tool {spec!r}: {error}") from None
+    if not callable(fn):
+        raise ValueError(f"--tool {spec}: {type(fn).__name__} is not a function")
+    schema(fn)
+    return fn
 
 
 def _callable(fn, spec: str) -> Callable:

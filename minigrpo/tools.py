@@ -32,7 +32,6 @@ import inspect
 import json
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 from minigrpo.scoring import OutOfTime, real_interrupts, time_limit
@@ -67,28 +66,6 @@ def schema(fn: Callable) -> dict:
         raise ValueError(f"tool {getattr(fn, '__name__', fn)!r} cannot be described to the model: {error} "
                          f"(a tool needs a type hint on every argument and a docstring with an Args: section "
                          f"describing each)") from None
-
-
-def load_tool(spec: str) -> Callable:
-    """`path/to/file.py:function` or `package.module:function`, checked for a usable schema."""
-    import importlib
-
-    from minigrpo.tasks import _load_attr
-
-    where, sep, name = spec.rpartition(":")
-    if not sep or not name:
-        raise ValueError(f"--tool {spec!r} must be file.py:function or module:function")
-    if where.endswith(".py"):
-        fn = _load_attr(Path(where), name)
-    else:
-        try:
-            fn = getattr(importlib.import_module(where), name)
-        except (ImportError, AttributeError) as error:
-            raise ValueError(f"--tool {spec!r}: {error}") from None
-    if not callable(fn):
-        raise ValueError(f"--tool {spec}: {type(fn).__name__} is not a function")
-    schema(fn)
-    return fn
 
 
 def parse_calls(text: str) -> list[ToolCall]:

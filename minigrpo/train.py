@@ -41,7 +41,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
     """Train a LoRA adapter with GRPO as `cfg` says; returns the run folder. With `resume`, continue the
     run in cfg.output_dir from its latest complete checkpoint, exactly where it stopped."""
     seed_everything(cfg.seed)
-    task = get_task(cfg.task, cfg.rewards)
+    task = get_task(cfg.task, cfg.rewards, extra_tools=cfg.tools)
+    if task.tools and cfg.max_episode_tokens is None:  # recorded in config.json with the rest
+        cfg.max_episode_tokens = cfg.max_turns * cfg.max_new_tokens
     check_sandbox(task, cfg.allow_unconfined_code, print)
     weights = cfg.reward_weights or task.weights
     if len(weights) != len(task.rewards):
@@ -285,10 +287,15 @@ def step_metrics(step: int, batch, info: dict, rewards, mb: MicroBatches, update
 def samples_of(step: int, batch, rewards, advantages, G: int) -> list[dict]:
     """Every completion with its prompt, reward and parts, and advantage, for samples.jsonl."""
     parts = batch.scores.values | batch.scores.parts
-    return [{"step": step, "prompt": batch.rows[i // G]["prompt"], "completion": batch.completions[i],
-             "reward": rewards[i].item(), "reward_parts": {k: v[i] for k, v in parts.items()},
-             "advantage": advantages[i].item(), "truncated": batch.truncated[i]}
-            for i in range(len(batch.completions))]
+    samples = [{"step": step, "prompt": batch.rows[i // G]["prompt"], "completion": batch.completions[i],
+                "reward": rewards[i].item(), "reward_parts": {k: v[i] for k, v in parts.items()},
+                "advantage": advantages[i].item(), "truncated": batch.truncated[i]}
+               for i in range(len(batch.completions))]
+    if batch.model_masks is not None:  # episodes: the conversation after the prompt, with its counts
+        for s in samples:
+            s["turns"] = sum(m["role"] == "assistant" for m in s["completion"])
+            s["tool_calls"] = sum(m["role"] == "tool" for m in s["completion"])
+    return samples
 
 
 def mean_of_present(values: list[float | None]) -> float | None:

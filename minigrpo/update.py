@@ -90,7 +90,7 @@ def policy_update(cfg: TrainConfig, model, mb: MicroBatches, advantages: torch.T
             sampler = mb.sampler[c, :n].to(logps.device) if mb.sampler is not None else None  # [b, n]
             loss, m = L.policy_loss(logps, old, ref, advantages[c].to(logps.device), mask, epsilon=cfg.epsilon,
                                     epsilon_high=cfg.epsilon_high, beta=cfg.beta, aggregation=cfg.loss_aggregation,
-                                    max_tokens=cfg.max_new_tokens, sampler_logps=sampler, tis_cap=cfg.tis_cap)
+                                    max_tokens=cfg.completion_tokens, sampler_logps=sampler, tis_cap=cfg.tis_cap)
             weight = L.microbatch_weight(mask, mb.full_mask, cfg.loss_aggregation)
             scaler.scale(loss * weight).backward()
             pass_loss += loss.item() * weight

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from minigrpo import tools
+from minigrpo.tasks import load_tool
 from minigrpo.tools import ToolCall, parse_calls, run_call
 
 
@@ -89,13 +90,13 @@ def test_load_tool_from_a_file(tmp_path):
     (tmp_path / "t.py").write_text('def shout(text: str) -> str:\n    """Upper case.\n\n    Args:\n'
                                    '        text: The text.\n    """\n    return text.upper()\n'
                                    "def untyped(text):\n    return text\n")
-    assert tools.load_tool(f"{tmp_path / 't.py'}:shout")("hi") == "HI"
+    assert load_tool(f"{tmp_path / 't.py'}:shout")("hi") == "HI"
     with pytest.raises(ValueError, match="cannot be described"):
-        tools.load_tool(f"{tmp_path / 't.py'}:untyped")
+        load_tool(f"{tmp_path / 't.py'}:untyped")
     with pytest.raises(ValueError, match="defines no missing"):
-        tools.load_tool(f"{tmp_path / 't.py'}:missing")
+        load_tool(f"{tmp_path / 't.py'}:missing")
     with pytest.raises(ValueError, match="must be file.py:function"):
-        tools.load_tool("t.py")
+        load_tool("t.py")
 
 
 def test_a_good_call_runs_and_its_result_is_text():

@@ -115,3 +115,45 @@ def test_train_with_vllm_end_to_end(tmp_path, tiny_model_path, monkeypatch):
                       max_new_tokens=8, output_dir=str(tmp_path / "again"), sample_every=0, seed=4,
                       eval_before_after=False))
     assert calls["engine"] == 2 and len(closed) == 2
+
+
+def test_the_engine_continues_an_episode_as_the_trainer_reads_it(setup):
+    """An episode's second turn, sampled by the engine after a tool result: its log-probs are the trainer's
+    over the whole episode (the engine saw exactly the tokens the trainer will)."""
+    from minigrpo.episodes import Limits, run_episodes
+    from minigrpo.generation import Rollout
+
+    policy, tokenizer, engine = setup
+
+    def add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first number.
+            b: The second number.
+        """
+        return a + b
+
+    call = tokenizer('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 40}}</tool_call>',
+                     add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+
+    class FirstTurnCalls:  # the tiny model does not call tools by itself: its first turn is given
+        turns = 0
+
+        def generate(self, prompt_ids, sampling):
+            self.turns += 1
+            if self.turns == 1:
+                rows = len(prompt_ids) * sampling.n
+                return Rollout([list(call)] * rows, [False] * rows, [[0.0] * len(call)] * rows)
+            return engine.generate(prompt_ids, sampling)
+
+    prompt = tokenizer(render_prompt(tokenizer, "What is 2 + 40?", [add]), add_special_tokens=False).input_ids
+    episodes = run_episodes(FirstTurnCalls(), tokenizer, [add], [prompt], 2,
+                            Limits(max_new_tokens=12, max_turns=2, max_episode_tokens=120, temperature=0.8))
+    for e in episodes:
+        assert e.turns == 2 and e.messages[1]["content"] == "42"
+        second = [i for i in range(len(call), len(e.ids)) if e.mask[i]]  # the engine's own tokens
+        assert second and second[0] > len(call), "the tool's result sits between the two turns"
+        ours = trainer_logps_at(policy, prompt, e.ids, temperature=0.8)
+        gap = (ours[second] - torch.tensor(e.logps)[second]).abs().mean()
+        assert gap < TOL, gap
