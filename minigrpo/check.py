@@ -103,7 +103,14 @@ def precheck_rewards(task: Task, weights: list[float], rows: list[dict], timeout
         score(task.rewards, weights, *batch_of(task.examples), strict=True, timeout=timeout)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        chat = bool(task.tools) or bool(rows) and isinstance(rows[0]["prompt"], list)
-        score(task.rewards, weights, *batch_of(stand_ins(rows, chat)), timeout=timeout)
+        chat = bool(task.tools or task.environment) or bool(rows) and isinstance(rows[0]["prompt"], list)
+        junk = stand_ins(rows, chat)
+        if task.environment:  # rewards may read the episode's environment, as in training: a fresh one, reset
+            from minigrpo.episodes import start_environments
+
+            for r in junk:
+                r["environments"] = start_environments(task.environment, [{k: v for k, v in r.items()
+                                                                           if k != "completion"}], 1)[0][0]
+        score(task.rewards, weights, *batch_of(junk), timeout=timeout)
     return [f"on stand-in completions (empty, or the prompt itself): {w.message}" for w in caught
             if "reward function" in str(w.message)]

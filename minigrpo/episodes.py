@@ -13,6 +13,7 @@ mask that is True only where the model wrote them, so tool results are context a
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -33,6 +34,7 @@ class Episode:
     tool_errors: dict[str, int] = field(default_factory=dict)  # kind (tools.ERRORS) -> count
     cut: str | None = None  # "turns" or "tokens" when a limit ended the episode
     done: bool = False
+    tools: list[Callable] = field(default_factory=list, repr=False)  # the task's, then its environment's methods
 
     @property
     def truncated(self) -> bool:
@@ -51,10 +53,11 @@ class Limits:
 
 
 def run_episodes(generator: Generator, tokenizer, tools: list[Callable], prompt_ids: list[list[int]], G: int,
-                 limits: Limits) -> list[Episode]:
-    """G episodes per prompt, in group order (episodes [0, G) belong to prompt 0)."""
-    table = {fn.__name__: fn for fn in tools}
-    episodes = [Episode(i // G, []) for i in range(len(prompt_ids) * G)]
+                 limits: Limits, environments: list | None = None) -> list[Episode]:
+    """G episodes per prompt, in group order (episodes [0, G) belong to prompt 0); with `environments`, one
+    per episode, whose methods are that episode's tools beside the task's."""
+    episodes = [Episode(i // G, [], tools=list(tools) + (environment_tools(environments[i]) if environments else []))
+                for i in range(len(prompt_ids) * G)]
     live, contexts, n = episodes, prompt_ids, G  # the first turn: one prefill per prompt
     while live:
         room = max(limits.max_episode_tokens - len(e.ids) for e in live)
@@ -64,7 +67,7 @@ def run_episodes(generator: Generator, tokenizer, tools: list[Callable], prompt_
         for e, ids, cut_short, lp in zip(live, out.completion_ids, out.truncated, logps):
             _model_turn(e, ids, cut_short, lp, limits, tokenizer)
             if not e.done:
-                _tool_turn(e, tokenizer, tools, table, limits)
+                _tool_turn(e, tokenizer, limits)
         live = [e for e in episodes if not e.done]
         contexts, n = [prompt_ids[e.group] + e.ids for e in live], 1
     return episodes
@@ -84,8 +87,9 @@ def _model_turn(e: Episode, ids: list[int], cut_short: bool, logps: list[float] 
         e.done, e.cut = True, "tokens"
 
 
-def _tool_turn(e: Episode, tokenizer, tools: list[Callable], table: dict, limits: Limits) -> None:
+def _tool_turn(e: Episode, tokenizer, limits: Limits) -> None:
     """The model's turn read; its calls run and their results appended, or the episode ended."""
+    table = {fn.__name__: fn for fn in e.tools}
     calls = parse_calls(e.messages[-1]["content"])
     if not calls:  # an answer: the episode is over
         e.done = True
@@ -99,7 +103,7 @@ def _tool_turn(e: Episode, tokenizer, tools: list[Callable], table: dict, limits
         if r.error:
             e.tool_errors[r.error] = e.tool_errors.get(r.error, 0) + 1
     replies = [message(r) for r in results]
-    ids = tokenizer(turn_text(tokenizer, replies, tools), add_special_tokens=False).input_ids
+    ids = tokenizer(turn_text(tokenizer, replies, e.tools), add_special_tokens=False).input_ids
     e.messages += replies
     if len(e.ids) + len(ids) >= limits.max_episode_tokens:  # no room left for the model to read them and answer
         e.done, e.cut = True, "tokens"
@@ -116,3 +120,52 @@ def episode_stats(episodes: list[Episode]) -> dict[str, int]:
             "tool_errors": sum(sum(e.tool_errors.values()) for e in episodes),
             "cut_by_turns": sum(e.cut == "turns" for e in episodes),
             "cut_by_tokens": sum(e.cut == "tokens" for e in episodes)}
+
+
+def environment_tools(env) -> list[Callable]:
+    """An environment's tools, chosen as TRL chooses them: its public methods other than `reset` and
+    `get_reward`, bound to the instance (so they act on its state)."""
+    return [getattr(env, name) for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
+            if name not in ("reset", "get_reward") and not name.startswith("_")]
+
+
+def start_environments(factory: Callable, rows: list[dict], G: int) -> tuple[list, list[str | None]]:
+    """One environment per episode, each reset from its row (TRL's contract: `reset(**row)` returns None or
+    text for the end of the prompt). The G episodes of a row share one prompt, so their resets must say the
+    same; whatever differs between them belongs in their state, which the tools reveal."""
+    environments, said = [], []
+    for row in rows:
+        group = [factory() for _ in range(G)]
+        texts = []
+        for env in group:
+            try:
+                texts.append(env.reset(**row))
+            except Exception as error:  # the user's code: named, with the row it failed on
+                raise ValueError(f"the environment's reset raised {type(error).__name__}: {error} "
+                                 f"(row: {str(row)[:120]})") from None
+        if len(set(texts)) > 1:
+            raise ValueError(f"the environment's reset returned different text for one row ({texts[0]!r} and "
+                             f"{next(t for t in texts if t != texts[0])!r}): the {G} episodes of a row share their "
+                             f"prompt, so reset may vary only what its tools reveal, not what it says")
+        environments += group
+        said.append(texts[0])
+    return environments, said
+
+
+def environment_reward(factory: Callable) -> Callable | None:
+    """Where the environment scores its own episodes (`get_reward()`), a reward function that asks it, named
+    after its class, as TRL adds one."""
+    kind = factory if isinstance(factory, type) else type(factory())
+    if not callable(getattr(kind, "get_reward", None)):
+        return None
+
+    def reward(prompts, completions, environments, **columns):
+        return [env.get_reward() for env in environments]
+
+    reward.__name__ = kind.__name__
+    return reward
+
+
+def offered_tools(task) -> list[Callable]:
+    """Every tool a task's episodes offer: its own, then its environment's (from a fresh instance)."""
+    return list(task.tools) + (environment_tools(task.environment()) if task.environment else [])

@@ -35,15 +35,11 @@ class Evaluator:
     def __call__(self, step: int | None = None, with_samples: bool = True) -> dict:
         """pass@1 (greedy) and the mean reward of eval_samples samples per prompt; without samples, the mean
         reward is the greedy completions' (fast: the before/after every run gets)."""
-        from minigrpo.rollout import render_prompt
-
         start = time.perf_counter()
-        prompt_ids = [self.tokenizer(render_prompt(self.tokenizer, r["prompt"], self.task.tools),
-                                     add_special_tokens=False).input_ids for r in self.rows]
-        greedy = self._totals(prompt_ids, Sampling(1, self.cfg.max_new_tokens, temperature=0.0))
+        greedy = self._totals(Sampling(1, self.cfg.max_new_tokens, temperature=0.0))
         n = self.cfg.eval_samples if with_samples else 1
-        sampled = self._totals(prompt_ids, Sampling(n, self.cfg.max_new_tokens, self.cfg.temperature,
-                                                    self.cfg.top_p)) if with_samples else greedy
+        sampled = self._totals(Sampling(n, self.cfg.max_new_tokens, self.cfg.temperature,
+                                        self.cfg.top_p)) if with_samples else greedy
         # per-prompt means first, so the standard error is over prompts, the independent unit
         per_prompt = [statistics.fmean(sampled[i * n:(i + 1) * n]) for i in range(len(self.rows))]
         solved = [float(t >= self.cfg.solved_reward) for t in greedy]
@@ -58,14 +54,12 @@ class Evaluator:
                 f.write(json.dumps(result) + "\n")
         return result
 
-    def _totals(self, prompt_ids: list[list[int]], sampling: Sampling) -> list[float]:
+    def _totals(self, sampling: Sampling) -> list[float]:
         from minigrpo.rollout import complete
 
-        out = complete(self.cfg, self.tokenizer, self.generator, self.task.tools, prompt_ids, sampling,
-                       isinstance(self.rows[0]["prompt"], list))
-        rows = [self.rows[i // sampling.n] for i in range(len(out.completions))]
-        return score(self.task.rewards, self.weights, [r["prompt"] for r in rows], out.completions,
-                     out.completion_ids, rows, timeout=self.cfg.reward_timeout).totals
+        out = complete(self.cfg, self.tokenizer, self.generator, self.task, self.rows, sampling)
+        return score(self.task.rewards, self.weights, [c["prompt"] for c in out.columns], out.completions,
+                     out.completion_ids, out.columns, timeout=self.cfg.reward_timeout).totals
 
 
 def stderr(values: list[float]) -> float:

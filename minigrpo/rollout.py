@@ -33,31 +33,55 @@ def render_prompt(tokenizer, prompt: str | list[dict], tools: list = ()) -> str:
 @dataclass
 class Completed:
     """What `complete` sampled: one entry per completion, in group order."""
+    prompt_ids: list[list[int]]  # [P]
     completion_ids: list[list[int]]
     completions: list  # text, or chat messages (chat-format prompts, and every episode)
     truncated: list[bool]
     sampler_logps: list[list[float]] | None
     model_masks: list[list[bool]] | None  # episodes: True where the model wrote the token
     stats: dict  # episodes: totals of turns, tool calls, tool errors, cuts (`episodes.episode_stats`)
+    columns: list[dict]  # [B] what the rewards get beside the completion: the row, and its episode's environment
 
 
-def complete(cfg: TrainConfig, tokenizer, generator: Generator, tools: list, prompt_ids: list[list[int]],
-             sampling: Sampling, chat: bool) -> Completed:
-    """`sampling.n` completions of each prompt: single replies, or, where the task has tools, episodes."""
+def complete(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, rows: list[dict],
+             sampling: Sampling) -> Completed:
+    """`sampling.n` completions of each row's prompt: single replies, or, where the task has tools or an
+    environment, episodes (one environment per episode, reset from its row; its reset's text ends the prompt)."""
+    from minigrpo import episodes as E
+
+    n = sampling.n
+    envs, said = E.start_environments(task.environment, rows, n) if task.environment else (None, [None] * len(rows))
+    tools = list(task.tools) + (E.environment_tools(envs[0]) if envs else [])
+    prompts = [joined(row["prompt"], text) for row, text in zip(rows, said)]
+    prompt_ids = [tokenizer(render_prompt(tokenizer, p, tools), add_special_tokens=False).input_ids for p in prompts]
+    for p, ids in zip(prompts, prompt_ids):
+        if len(ids) > cfg.max_prompt_tokens:
+            raise ValueError(f"a prompt of {len(ids)} tokens is longer than max_prompt_tokens="
+                             f"{cfg.max_prompt_tokens}: {str(p)[:80]!r}...")
+    columns = [dict(rows[i // n], **({"environments": envs[i]} if envs else {})) for i in range(len(rows) * n)]
     if not tools:
         out = generator.generate(prompt_ids, sampling)
         completions = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-        if chat:  # chat-format data gets chat-format completions, as in TRL
+        if isinstance(rows[0]["prompt"], list):  # chat-format data gets chat-format completions, as in TRL
             completions = [[{"role": "assistant", "content": c}] for c in completions]
-        return Completed(out.completion_ids, completions, out.truncated, out.sampler_logps, None, {})
-    from minigrpo.episodes import Limits, episode_stats, run_episodes
-
-    limits = Limits(sampling.max_new_tokens, cfg.max_turns, cfg.completion_tokens, cfg.tool_timeout,
-                    temperature=sampling.temperature, top_p=sampling.top_p)
-    episodes = run_episodes(generator, tokenizer, tools, prompt_ids, sampling.n, limits)
+        return Completed(prompt_ids, out.completion_ids, completions, out.truncated, out.sampler_logps, None, {},
+                         columns)
+    limits = E.Limits(sampling.max_new_tokens, cfg.max_turns, cfg.completion_tokens, cfg.tool_timeout,
+                      temperature=sampling.temperature, top_p=sampling.top_p)
+    episodes = E.run_episodes(generator, tokenizer, task.tools, prompt_ids, n, limits, envs)
     logps = [e.logps for e in episodes] if all(e.logps is not None for e in episodes) else None
-    return Completed([e.ids for e in episodes], [e.messages for e in episodes], [e.truncated for e in episodes],
-                     logps, [e.mask for e in episodes], episode_stats(episodes))
+    return Completed(prompt_ids, [e.ids for e in episodes], [e.messages for e in episodes],
+                     [e.truncated for e in episodes], logps, [e.mask for e in episodes], E.episode_stats(episodes),
+                     columns)
+
+
+def joined(prompt: str | list[dict], text: str | None) -> str | list[dict]:
+    """The prompt with an environment's reset text at the end of its last message, as TRL joins them."""
+    if text is None:
+        return prompt
+    if isinstance(prompt, str):
+        return prompt + text
+    return prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + text}]
 
 
 @dataclass
@@ -107,21 +131,13 @@ def rollout(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, weigh
             rows: list[dict]) -> Groups:
     """G completions for each row's prompt, decoded and scored."""
     G = cfg.num_generations
-    prompt_texts = [render_prompt(tokenizer, row["prompt"], task.tools) for row in rows]
-    prompt_ids = [tokenizer(text, add_special_tokens=False).input_ids for text in prompt_texts]
-    for row, ids in zip(rows, prompt_ids):
-        if len(ids) > cfg.max_prompt_tokens:
-            raise ValueError(f"a prompt of {len(ids)} tokens is longer than max_prompt_tokens="
-                             f"{cfg.max_prompt_tokens}: {str(row['prompt'])[:80]!r}...")
     t0 = time.perf_counter()
-    out = complete(cfg, tokenizer, generator, task.tools, prompt_ids,
-                   Sampling(G, cfg.max_new_tokens, cfg.temperature, cfg.top_p), isinstance(rows[0]["prompt"], list))
+    out = complete(cfg, tokenizer, generator, task, rows, Sampling(G, cfg.max_new_tokens, cfg.temperature, cfg.top_p))
     t1 = time.perf_counter()
-    scores = score(task.rewards, weights, [rows[i // G]["prompt"] for i in range(len(out.completions))],
-                   out.completions, out.completion_ids, [rows[i // G] for i in range(len(out.completions))],
-                   strict=cfg.strict_rewards, timeout=cfg.reward_timeout)
-    return Groups(rows, prompt_ids, out.completion_ids, out.completions, out.truncated, out.sampler_logps, scores,
-                  t1 - t0, time.perf_counter() - t1, out.model_masks, out.stats)
+    scores = score(task.rewards, weights, [c["prompt"] for c in out.columns], out.completions, out.completion_ids,
+                   out.columns, strict=cfg.strict_rewards, timeout=cfg.reward_timeout)
+    return Groups(rows, out.prompt_ids, out.completion_ids, out.completions, out.truncated, out.sampler_logps,
+                  scores, t1 - t0, time.perf_counter() - t1, out.model_masks, out.stats)
 
 
 def collect(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, weights: list[float],

@@ -56,13 +56,16 @@ def check_lengths(cfg: TrainConfig, task: Task, tokenizer, context: int | None) 
     """Before the model loads: the prompt and completion budgets fit the model's context, and every prompt
     of the task's data fits the prompt budget (one tokenizer pass), naming the first that does not.
     Returns the longest prompt's length in tokens."""
-    budget = "--max-episode-tokens" if task.tools else "--max-new-tokens"
+    from minigrpo.episodes import offered_tools
+
+    tools = offered_tools(task)
+    budget = "--max-episode-tokens" if tools or task.environment else "--max-new-tokens"
     if context and cfg.max_prompt_tokens + cfg.completion_tokens > context:
         raise ValueError(f"--max-prompt-tokens {cfg.max_prompt_tokens} + {budget} {cfg.completion_tokens} is "
                          f"more than {cfg.model}'s context of {context} tokens: lower them to at most {context} "
                          f"together")
     rows, places, source = rows_and_places(task, cfg.seed)
-    texts = [render_prompt(tokenizer, row["prompt"], task.tools) for row in rows]
+    texts = [render_prompt(tokenizer, row["prompt"], tools) for row in rows]
     lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
     for length, place in zip(lengths, places):
         if length > cfg.max_prompt_tokens:

@@ -43,6 +43,9 @@ class Task:
     source: Path | None = None  # the data file, for messages that name a line of it
     runs_code: bool = False  # its rewards run model-written code (minigrpo.sandbox): checked at the start
     tools: list[Callable] = field(default_factory=list)  # with tools, each completion is an episode (TRL's `tools=`)
+    # a class (or function) making one environment per episode: reset(**row), its methods as tools, and
+    # optionally get_reward(); TRL's `environment_factory`
+    environment: Callable | None = None
 
     @property
     def reward_names(self) -> list[str]:
@@ -67,21 +70,28 @@ def get_task(spec: str, extra_rewards: list[str] = (), seed: int = 0, extra_tool
     else:
         raise ValueError(f"unknown task {spec!r}: not a built-in ({', '.join(BUILT_IN)}), a task .py file, "
                          f"a data file ({', '.join(DATA_SUFFIXES)}), or a hub dataset name")
-    rewards = list(task.rewards) + [load_reward(r) for r in extra_rewards]
+    from minigrpo.episodes import environment_reward
+
+    owned = environment_reward(task.environment) if task.environment else None
+    rewards = list(task.rewards) + [load_reward(r) for r in extra_rewards] + ([owned] if owned else [])
     if not rewards:
         raise ValueError(f"task {task.name} has no reward function; add one with --reward file.py:function")
-    weights = (task.weights or [1.0] * len(task.rewards)) + [1.0] * len(extra_rewards)
+    weights = (task.weights or [1.0] * len(task.rewards)) + [1.0] * (len(extra_rewards) + bool(owned))
+    from minigrpo.episodes import environment_tools
     from minigrpo.tools import schema
 
-    for fn in task.tools:
-        schema(fn)  # a task file's tool the model cannot be told about stops here, named
+    probe = task.environment() if task.environment else None
+    if probe is not None and not callable(getattr(probe, "reset", None)):
+        raise ValueError(f"task {task.name}: its environment has no reset(**row) method (TRL's contract)")
     tools = list(task.tools) + [load_tool(t) for t in extra_tools]
-    names = [fn.__name__ for fn in tools]
+    for fn in tools + (environment_tools(probe) if probe is not None else []):
+        schema(fn)  # a tool the model cannot be told about stops here, named
+    names = [fn.__name__ for fn in tools + (environment_tools(probe) if probe is not None else [])]
     if len(set(names)) < len(names):
         raise ValueError(f"two tools share a name ({', '.join(sorted({n for n in names if names.count(n) > 1}))}): "
                          f"the model calls a tool by its name, so each must be distinct")
     return Task(task.name, task.description, task.make_data, distinct_names(rewards), weights, task.examples,
-                task.source, task.runs_code, tools)
+                task.source, task.runs_code, tools, task.environment)
 
 
 def distinct_names(rewards: list[Callable]) -> list[Callable]:

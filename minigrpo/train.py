@@ -42,7 +42,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
     run in cfg.output_dir from its latest complete checkpoint, exactly where it stopped."""
     seed_everything(cfg.seed)
     task = get_task(cfg.task, cfg.rewards, extra_tools=cfg.tools)
-    if task.tools and cfg.max_episode_tokens is None:  # recorded in config.json with the rest
+    if (task.tools or task.environment) and cfg.max_episode_tokens is None:  # recorded in config.json
         cfg.max_episode_tokens = cfg.max_turns * cfg.max_new_tokens
     check_sandbox(task, cfg.allow_unconfined_code, print)
     weights = cfg.reward_weights or task.weights

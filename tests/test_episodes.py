@@ -198,3 +198,103 @@ def test_train_end_to_end_with_the_tasks_tools_and_a_tool_flag(tmp_path):
     bad = CliRunner().invoke(app, ["train", "--task", str(tmp_path / "sums.py"), "--tool", f"{tmp_path / 'sums.py'}:add",
                                    "--output-dir", str(tmp_path / "bad")])
     assert bad.exit_code != 0 and "two tools share a name (add)" in bad.output
+
+
+GAME_FILE = '''
+import random
+
+from minigrpo.tasks import Task
+
+
+class Guess:
+    """A number to find: the guess tool says higher or lower."""
+
+    def reset(self, secret, **row):
+        self.secret, self.tries, self.solved = secret, 0, False
+        return " Find it with the guess tool."
+
+    def guess(self, number: int) -> str:
+        """Guess the secret number.
+
+        Args:
+            number: Your guess.
+        """
+        self.tries += 1
+        if number == self.secret:
+            self.solved = True
+            return "correct"
+        return "higher" if number < self.secret else "lower"
+
+    def get_reward(self) -> float:
+        return 1.0 if self.solved else 0.0
+
+
+def rows(split, seed):
+    rng = random.Random(seed)
+    return [{"prompt": "I picked a number from 1 to 9.", "secret": rng.randint(1, 9)} for _ in range(20)]
+
+
+TASK = Task("guess", "guess a number with hints", rows, [], environment=Guess)
+'''
+
+
+def guess(n: int) -> str:
+    return f'<tool_call>{{"name": "guess", "arguments": {{"number": {n}}}}}</tool_call>'
+
+
+def test_an_environment_per_episode_its_methods_as_tools_and_its_own_reward(tokenizer, tmp_path):
+    from minigrpo.config import TrainConfig
+    from minigrpo.rollout import rollout
+    from minigrpo.tasks import get_task
+
+    (tmp_path / "game.py").write_text(GAME_FILE)
+    task = get_task(str(tmp_path / "game.py"))
+    assert task.reward_names == ["Guess"] and task.weights == [1.0], "the environment scores its own episodes"
+    cfg = TrainConfig(task=str(tmp_path / "game.py"), num_generations=2, max_new_tokens=64, max_episode_tokens=400)
+    rows = [{"prompt": "I picked a number from 1 to 9.", "secret": 7}]
+    model = Scripted(tokenizer, [guess(5), guess(7), "Found it: 7."])
+    batch = rollout(cfg, tokenizer, model, task, task.weights, rows)
+    first_prompt = tokenizer.decode(model.asked[0][0][0])
+    assert "I picked a number from 1 to 9. Find it with the guess tool." in first_prompt and '"guess"' in first_prompt
+    for episode in batch.completions:
+        assert [m["content"] for m in episode if m["role"] == "tool"] == ["higher", "correct"]
+    assert batch.scores.totals == [1.0, 1.0] and batch.episode_stats["tool_calls"] == 4
+    # each episode had its own instance: its tries were its own
+    model = Scripted(tokenizer, [guess(5), "I give up."])
+    assert rollout(cfg, tokenizer, model, task, task.weights, rows).scores.totals == [0.0, 0.0]
+
+
+def test_resets_that_disagree_within_a_group_are_refused(tokenizer, tmp_path):
+    from minigrpo.config import TrainConfig
+    from minigrpo.rollout import rollout
+    from minigrpo.tasks import get_task
+
+    (tmp_path / "game.py").write_text(GAME_FILE.replace('return " Find it with the guess tool."',
+                                                        'return f" Try {random.random()}"'))
+    task = get_task(str(tmp_path / "game.py"))
+    cfg = TrainConfig(task=str(tmp_path / "game.py"), num_generations=2, max_new_tokens=16)
+    with pytest.raises(ValueError, match="returned different text for one row"):
+        rollout(cfg, tokenizer, Scripted(tokenizer, ["x"]), task, task.weights, [{"prompt": "p", "secret": 1}])
+    (tmp_path / "broken.py").write_text(GAME_FILE.replace("self.secret, self.tries, self.solved = secret, 0, False",
+                                                          "self.secret = 1 / 0"))
+    task = get_task(str(tmp_path / "broken.py"))
+    with pytest.raises(ValueError, match="reset raised ZeroDivisionError"):
+        rollout(cfg, tokenizer, Scripted(tokenizer, ["x"]), task, task.weights, [{"prompt": "p", "secret": 1}])
+
+
+def test_train_end_to_end_in_an_environment(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from minigrpo.cli import app
+
+    (tmp_path / "game.py").write_text(GAME_FILE)
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, [
+        "train", "--task", str(tmp_path / "game.py"), "--steps", "1", "-G", "2", "--prompts-per-step", "2",
+        "--max-new-tokens", "12", "--max-turns", "2", "--eval-prompts", "2", "--output-dir", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "warning" not in result.output
+    (metrics,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert "reward/Guess/mean" in metrics and "episode/turns" in metrics
