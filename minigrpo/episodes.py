@@ -35,6 +35,7 @@ class Episode:
     cut: str | None = None  # "turns" or "tokens" when a limit ended the episode
     done: bool = False
     tools: list[Callable] = field(default_factory=list, repr=False)  # the task's, then its environment's methods
+    env: object | None = field(default=None, repr=False)  # this episode's environment, if the task has one
 
     @property
     def truncated(self) -> bool:
@@ -56,8 +57,8 @@ def run_episodes(generator: Generator, tokenizer, tools: list[Callable], prompt_
                  limits: Limits, environments: list | None = None) -> list[Episode]:
     """G episodes per prompt, in group order (episodes [0, G) belong to prompt 0); with `environments`, one
     per episode, whose methods are that episode's tools beside the task's."""
-    episodes = [Episode(i // G, [], tools=list(tools) + (environment_tools(environments[i]) if environments else []))
-                for i in range(len(prompt_ids) * G)]
+    episodes = [Episode(i // G, [], tools=list(tools) + (environment_tools(environments[i]) if environments else []),
+                        env=environments[i] if environments else None) for i in range(len(prompt_ids) * G)]
     live, contexts, n = episodes, prompt_ids, G  # the first turn: one prefill per prompt
     while live:
         room = max(limits.max_episode_tokens - len(e.ids) for e in live)
@@ -88,21 +89,26 @@ def _model_turn(e: Episode, ids: list[int], cut_short: bool, logps: list[float] 
 
 
 def _tool_turn(e: Episode, tokenizer, limits: Limits) -> None:
-    """The model's turn read; its calls run and their results appended, or the episode ended."""
-    table = {fn.__name__: fn for fn in e.tools}
+    """The model's turn read: its calls run and their results appended; or, for a turn without calls, the
+    environment's `respond` (where it has one) answers as the user; or the episode ended."""
     calls = parse_calls(e.messages[-1]["content"])
-    if not calls:  # an answer: the episode is over
+    said = _respond(e) if not calls else None
+    if not calls and said is None:  # an answer: the episode is over
         e.done = True
         return
     if e.turns >= limits.max_turns:
         e.done, e.cut = True, "turns"
         return
-    results = [run_call(table, call, limits.tool_timeout, limits.tool_max_chars) for call in calls]
-    e.tool_calls += len(calls)
-    for r in results:
-        if r.error:
-            e.tool_errors[r.error] = e.tool_errors.get(r.error, 0) + 1
-    replies = [message(r) for r in results]
+    if calls:
+        table = {fn.__name__: fn for fn in e.tools}
+        results = [run_call(table, call, limits.tool_timeout, limits.tool_max_chars) for call in calls]
+        e.tool_calls += len(calls)
+        for r in results:
+            if r.error:
+                e.tool_errors[r.error] = e.tool_errors.get(r.error, 0) + 1
+        replies = [message(r) for r in results]
+    else:
+        replies = [{"role": "user", "content": said}]
     ids = tokenizer(turn_text(tokenizer, replies, e.tools), add_special_tokens=False).input_ids
     e.messages += replies
     if len(e.ids) + len(ids) >= limits.max_episode_tokens:  # no room left for the model to read them and answer
@@ -111,6 +117,20 @@ def _tool_turn(e: Episode, tokenizer, limits: Limits) -> None:
     e.ids += ids
     e.mask += [False] * len(ids)
     e.logps = e.logps + [0.0] * len(ids) if e.logps is not None else None
+
+
+def _respond(e: Episode) -> str | None:
+    """The environment's answer to a turn without tool calls (`respond(message) -> str | None`, beyond TRL's
+    contract: a game that talks), or None to end the episode. Its failure ends the episode and is counted."""
+    respond = getattr(e.env, "respond", None)
+    if not callable(respond):
+        return None
+    try:
+        said = respond(e.messages[-1]["content"])
+    except Exception:  # the user's code: the episode ends as it stands, counted
+        e.tool_errors["environment"] = e.tool_errors.get("environment", 0) + 1
+        return None
+    return None if said is None else str(said)
 
 
 def episode_stats(episodes: list[Episode]) -> dict[str, int]:
@@ -124,9 +144,9 @@ def episode_stats(episodes: list[Episode]) -> dict[str, int]:
 
 def environment_tools(env) -> list[Callable]:
     """An environment's tools, chosen as TRL chooses them: its public methods other than `reset` and
-    `get_reward`, bound to the instance (so they act on its state)."""
+    `get_reward` (and our `respond`), bound to the instance (so they act on its state)."""
     return [getattr(env, name) for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
-            if name not in ("reset", "get_reward") and not name.startswith("_")]
+            if name not in ("reset", "get_reward", "respond") and not name.startswith("_")]
 
 
 def start_environments(factory: Callable, rows: list[dict], G: int) -> tuple[list, list[str | None]]:

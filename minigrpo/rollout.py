@@ -59,7 +59,7 @@ def complete(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, rows
             raise ValueError(f"a prompt of {len(ids)} tokens is longer than max_prompt_tokens="
                              f"{cfg.max_prompt_tokens}: {str(p)[:80]!r}...")
     columns = [dict(rows[i // n], **({"environments": envs[i]} if envs else {})) for i in range(len(rows) * n)]
-    if not tools:
+    if not tools and not envs:
         out = generator.generate(prompt_ids, sampling)
         completions = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
         if isinstance(rows[0]["prompt"], list):  # chat-format data gets chat-format completions, as in TRL

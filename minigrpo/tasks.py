@@ -29,7 +29,7 @@ from minigrpo.scoring import reward_name
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 # the built-in tasks: a name, and the module of `rewards/` whose TASK it is, loaded by name as a task file is
 BUILT_IN = {"addition": "rewards.addition", "countdown": "rewards.countdown", "gsm8k": "rewards.gsm8k",
-            "math": "rewards.maths", "code": "rewards.code"}
+            "math": "rewards.maths", "code": "rewards.code", "guess": "rewards.guess", "multiply": "rewards.multiply"}
 
 
 @dataclass

@@ -298,3 +298,76 @@ def test_train_end_to_end_in_an_environment(tmp_path):
     assert "warning" not in result.output
     (metrics,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert "reward/Guess/mean" in metrics and "episode/turns" in metrics
+
+
+class Hint:
+    """A game that talks: the environment answers a turn without tool calls as the user (`respond`)."""
+
+    def reset(self, secret, **row):
+        self.secret, self.solved = secret, False
+
+    def respond(self, message: str):
+        import re
+
+        numbers = re.findall(r"\d+", message)
+        if not numbers:
+            return "Say a number."
+        if int(numbers[-1]) == self.secret:
+            self.solved = True
+            return None  # the game is over
+        return "Higher." if int(numbers[-1]) < self.secret else "Lower."
+
+    def get_reward(self) -> float:
+        return float(self.solved)
+
+
+def test_an_environment_that_talks_answers_as_the_user(tokenizer):
+    from minigrpo.config import TrainConfig
+    from minigrpo.episodes import environment_reward
+    from minigrpo.rollout import rollout
+    from minigrpo.tasks import Task
+
+    task = Task("hint", "", lambda split, seed: [], [environment_reward(Hint)], environment=Hint)
+    cfg = TrainConfig(num_generations=2, max_new_tokens=16, max_turns=4, max_episode_tokens=200)
+    rows = [{"prompt": "Guess my number, 1 to 9.", "secret": 7}]
+    batch = rollout(cfg, tokenizer, Scripted(tokenizer, ["5", "8", "It is 7."]), task, [1.0], rows)
+    episode = batch.completions[0]
+    assert [(m["role"], m["content"]) for m in episode] == [
+        ("assistant", "5"), ("user", "Higher."), ("assistant", "8"), ("user", "Lower."), ("assistant", "It is 7.")]
+    assert batch.scores.totals == [1.0, 1.0] and batch.episode_stats["turns"] == 6
+    mask, ids = batch.model_masks[0], batch.completion_ids[0]
+    user_text = tokenizer.decode([t for t, m in zip(ids, mask) if not m])
+    assert "Higher." in user_text and "Lower." in user_text and "It is 7" not in user_text
+    # at the turn limit the game is cut, unsolved
+    cfg = TrainConfig(num_generations=2, max_new_tokens=16, max_turns=2, max_episode_tokens=200)
+    batch = rollout(cfg, tokenizer, Scripted(tokenizer, ["5", "8", "It is 7."]), task, [1.0], rows)
+    assert batch.scores.totals == [0.0, 0.0] and batch.truncated == [True, True]
+
+
+@pytest.mark.parametrize("name", ["guess", "multiply"])
+def test_the_built_in_episode_tasks_check_out(name):
+    from minigrpo.check import check_examples, precheck_rewards
+    from minigrpo.tasks import get_task
+
+    task = get_task(name)
+    assert task.examples and check_examples(task) == []
+    assert precheck_rewards(task, task.weights, task.make_data("train", 0)) == []
+    assert task.make_data("test", 0) and task.make_data("test", 0) != task.make_data("train", 0)[:64]
+
+
+def test_the_guess_game_trains_end_to_end(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from minigrpo.cli import app
+
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["train", "--task", "guess", "--steps", "1", "-G", "2", "--prompts-per-step", "2",
+                                      "--max-new-tokens", "8", "--max-turns", "3", "--no-eval-before-after",
+                                      "--sample-every", "1", "--output-dir", str(out)])
+    assert result.exit_code == 0, result.output
+    (sample, *_) = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert sample["completion"][0]["role"] == "assistant" and 1 <= sample["turns"] <= 3
+    if sample["turns"] > 1:  # the game answered as the user
+        assert sample["completion"][1]["role"] == "user"

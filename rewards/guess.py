@@ -1,0 +1,71 @@
+"""Guess a number from 1 to 9 over several turns, told "higher" or "lower" after each wrong guess.
+
+A multi-turn game with feedback, in the environment contract (`minigrpo/episodes.py`): the environment
+holds the secret and answers each of the model's turns as the user (`respond`); the episode ends at the
+right number or at --max-turns. The reward reads the transcript: 1.0 when the model's last turn names the
+secret, so guessing blindly pays less than using the hints.
+
+>>> guess_reward([[{"role": "assistant", "content": "5"}, {"role": "user", "content": "Higher."},
+...                {"role": "assistant", "content": "Is it 7?"}]], secret=[7])
+[1.0]
+>>> guess_reward([[{"role": "assistant", "content": "5"}, {"role": "user", "content": "Higher."}]], secret=[7])
+[0.0]
+>>> game = Hints(); game.reset(secret=7)
+>>> game.respond("My guess is 4."), game.respond("9"), game.respond("no idea"), game.respond("7")
+('Higher.', 'Lower.', 'Say one number from 1 to 9.', None)
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+from minigrpo.scoring import text_of
+from minigrpo.tasks import Task
+
+NUMBER = re.compile(r"\d+")
+
+
+class Hints:
+    """The secret, and the hint after each guess."""
+
+    def reset(self, secret: int, **row) -> None:
+        self.secret = secret
+
+    def respond(self, message: str) -> str | None:
+        found = NUMBER.findall(message)
+        if not found:
+            return "Say one number from 1 to 9."
+        guess = int(found[-1])
+        if guess == self.secret:
+            return None  # found: the episode ends
+        return "Higher." if guess < self.secret else "Lower."
+
+
+def guess_reward(completions: list, secret: list[int], **kwargs) -> list[float]:
+    """1.0 when the last number of the model's last turn is the secret."""
+    scores = []
+    for episode, x in zip(completions, secret):
+        turns = [m for m in episode if m["role"] == "assistant"] if isinstance(episode, list) else []
+        found = NUMBER.findall(text_of(turns[-1:]) if turns else text_of(episode))
+        scores.append(1.0 if found and int(found[-1]) == x else 0.0)
+    return scores
+
+
+def make_data(split: str, seed: int) -> list[dict]:
+    rng = random.Random(f"guess-{split}-{seed}")
+    phrasings = ["I am thinking of a number from 1 to 9. Guess it: answer with one number, and I will say "
+                 "higher or lower.", "Guess my number (1 to 9). Reply with a single number each turn."]
+    return [{"prompt": rng.choice(phrasings), "secret": rng.randint(1, 9)} for _ in range(200 if split == "train" else 64)]
+
+
+TASK = Task(
+    name="guess",
+    description="multi-turn: guess a number from 1 to 9 told higher or lower (an environment that talks)",
+    make_data=make_data,
+    rewards=[guess_reward],
+    environment=Hints,
+    examples=[{"prompt": "Guess my number (1 to 9).", "secret": 3, "expected": 1.0,
+               "completion": [{"role": "assistant", "content": "5"}, {"role": "user", "content": "Lower."},
+                              {"role": "assistant", "content": "3"}]}],
+)
