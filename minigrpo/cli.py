@@ -135,6 +135,8 @@ def eval_command(
     adapter: str = typer.Option(None, help="A trained adapter folder (runs/<run>/adapter) [default: none, the base model]."),
     model: str = typer.Option(None, help="Base model [default: the adapter's run config, else smollm2-135m]."),
     reward: list[str] = typer.Option([], help="Extra reward function file.py:function (repeat) [default: none]."),
+    tool: list[str] = typer.Option([], help="A tool the model may call, file.py:function (repeat) [default: the "
+                                            "task's own]."),
     prompts: int = typer.Option(64, help="Held-out prompts."),
     samples: int = typer.Option(4, help="Samples per prompt for the mean reward."),
     max_new_tokens: int = typer.Option(None, help="Completion length limit [default: the run's, else the preset's]."),
@@ -146,13 +148,14 @@ def eval_command(
     from pathlib import Path
 
     from minigrpo.console import describe_eval
+    from minigrpo.episodes import settle_budget
     from minigrpo.evaluate import Evaluator
     from minigrpo.generation import HFGenerator
     from minigrpo.model import adapter_folder, load_trained, seed_everything
     from minigrpo.run import results_folder
     from minigrpo.tasks import check_sandbox, get_task
     
-    t = get_task(task, reward)
+    t = get_task(task, reward, extra_tools=tool)
     check_sandbox(t, allow_unconfined_code, Console().print)
     adapter = adapter and adapter_folder(adapter)
     folder = results_folder(Path(out), "--out") if out else adapter.parent if adapter else None
@@ -160,6 +163,7 @@ def eval_command(
     policy, tokenizer, cfg = load_trained(adapter, model, max_new_tokens=max_new_tokens, eval_prompts=prompts,
                                           eval_samples=samples, seed=seed)
     seed_everything(cfg.seed)
+    settle_budget(cfg, t)
     result = Evaluator(cfg, t, t.weights, tokenizer, HFGenerator(policy, tokenizer), folder)(None)
     Console().print(f"{f'adapter {adapter}' if adapter else 'base model ' + cfg.model} on {t.name}: "
                     f"{describe_eval(result)}", highlight=False)

@@ -24,6 +24,7 @@ from minigrpo import loss as L
 from minigrpo.check import precheck_rewards
 from minigrpo.config import PRESETS, TrainConfig
 from minigrpo.console import Display
+from minigrpo.episodes import settle_budget
 from minigrpo.generation import Generator
 from minigrpo.hardware import memory_in_use_gb, peak_memory_gb, reserved_memory_gb
 from minigrpo.model import lora_parameters, seed_everything
@@ -42,8 +43,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
     run in cfg.output_dir from its latest complete checkpoint, exactly where it stopped."""
     seed_everything(cfg.seed)
     task = get_task(cfg.task, cfg.rewards, extra_tools=cfg.tools)
-    if (task.tools or task.environment) and cfg.max_episode_tokens is None:  # recorded in config.json
-        cfg.max_episode_tokens = cfg.max_turns * cfg.max_new_tokens
+    settle_budget(cfg, task)
     check_sandbox(task, cfg.allow_unconfined_code, print)
     weights = cfg.reward_weights or task.weights
     if len(weights) != len(task.rewards):

@@ -195,6 +195,11 @@ def test_train_end_to_end_with_the_tasks_tools_and_a_tool_flag(tmp_path):
     assert all(s["completion"][0]["role"] == "assistant" and s["turns"] >= 1 for s in samples)
     assert "[assistant]" in result.output, "the sample panel shows the episode turn by turn"
     assert len((out / "eval.jsonl").read_text().splitlines()) == 2
+    evaluated = CliRunner().invoke(app, ["eval", "--task", str(tmp_path / "sums.py"), "--tool",
+                                         f"{tmp_path / 'more.py'}:double", "--adapter", str(out / "adapter"),
+                                         "--prompts", "2", "--samples", "1"])
+    assert evaluated.exit_code == 0 and "pass@1" in evaluated.output, evaluated.output
+    assert len((out / "eval.jsonl").read_text().splitlines()) == 3
     bad = CliRunner().invoke(app, ["train", "--task", str(tmp_path / "sums.py"), "--tool", f"{tmp_path / 'sums.py'}:add",
                                    "--output-dir", str(tmp_path / "bad")])
     assert bad.exit_code != 0 and "two tools share a name (add)" in bad.output
