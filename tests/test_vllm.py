@@ -79,46 +79,9 @@ def trainer_logps_at(policy, prompt, completion, temperature):
         return token_logprobs(policy, ids, attention, len(completion), temperature)[0]
 
 
-def test_train_with_vllm_end_to_end(tmp_path, tiny_model_path, monkeypatch):
-    import vllm
-    from vllm.lora.worker_manager import WorkerLoRAManager
-
-    from minigrpo import TrainConfig, train
-
-    calls = {"engine": 0, "adapter_load": 0}  # count the real calls, to prove nothing is reloaded per step
-    for owner, name, key in ((vllm.LLM, "__init__", "engine"), (WorkerLoRAManager, "_load_adapter", "adapter_load")):
-        real = getattr(owner, name)
-
-        def counted(*args, _real=real, _key=key, **kwargs):
-            calls[_key] += 1
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(owner, name, counted)
-
-    closed = []
-    monkeypatch.setattr(VLLMGenerator, "close", lambda self, _real=VLLMGenerator.close: (closed.append(self),
-                                                                                        _real(self)))
-    out = tmp_path / "run"
-    train(TrainConfig(generator="vllm", load_in_4bit=True, steps=3, num_generations=4, prompts_per_step=2, max_new_tokens=16,
-                      output_dir=str(out), sample_every=0, seed=3, dtype="float32",
-                      eval_before_after=False))  # the engine's part, not the evaluation's
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 3
-    for m in metrics:
-        assert m["time/sync"] >= 0
-        assert 0 <= m["sampler_logprob_gap/mean"] < TOL and m["sampler_logprob_gap/max"] < 50 * TOL
-    assert calls == {"engine": 1, "adapter_load": 1}, calls
-    assert len(closed) == 1 and closed[0].llm is None, "the run shuts its engine down when it ends"
-
-    # a second run in the same process (a notebook cell run again) starts its own engine and trains
-    train(TrainConfig(generator="vllm", load_in_4bit=True, steps=1, num_generations=2, prompts_per_step=1,
-                      max_new_tokens=8, output_dir=str(tmp_path / "again"), sample_every=0, seed=4,
-                      eval_before_after=False))
-    assert calls["engine"] == 2 and len(closed) == 2
-
-
 def test_the_engine_continues_an_episode_as_the_trainer_reads_it(setup):
-    """An episode's second turn, sampled by the engine after a tool result: its log-probs are the trainer's
+    """(Before the runs below: each run's engine, closing, tears down the process-wide state this
+    module's engine shares.) An episode's second turn, sampled by the engine after a tool result: its log-probs are the trainer's
     over the whole episode (the engine saw exactly the tokens the trainer will)."""
     from minigrpo.episodes import Limits, run_episodes
     from minigrpo.generation import Rollout
@@ -157,3 +120,59 @@ def test_the_engine_continues_an_episode_as_the_trainer_reads_it(setup):
         ours = trainer_logps_at(policy, prompt, e.ids, temperature=0.8)
         gap = (ours[second] - torch.tensor(e.logps)[second]).abs().mean()
         assert gap < TOL, gap
+
+
+def test_train_with_vllm_end_to_end(tmp_path, tiny_model_path, monkeypatch):
+    import vllm
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    from minigrpo import TrainConfig, train
+
+    calls = {"engine": 0, "adapter_load": 0}  # count the real calls, to prove nothing is reloaded per step
+    for owner, name, key in ((vllm.LLM, "__init__", "engine"), (WorkerLoRAManager, "_load_adapter", "adapter_load")):
+        real = getattr(owner, name)
+
+        def counted(*args, _real=real, _key=key, **kwargs):
+            calls[_key] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+
+    closed = []
+    monkeypatch.setattr(VLLMGenerator, "close", lambda self, _real=VLLMGenerator.close: (closed.append(self),
+                                                                                        _real(self)))
+    out = tmp_path / "run"
+    train(TrainConfig(generator="vllm", load_in_4bit=True, steps=3, num_generations=4, prompts_per_step=2, max_new_tokens=16,
+                      output_dir=str(out), sample_every=0, seed=3, dtype="float32",
+                      eval_before_after=False))  # the engine's part, not the evaluation's
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 3
+    for m in metrics:
+        assert m["time/sync"] >= 0
+        assert 0 <= m["sampler_logprob_gap/mean"] < TOL and m["sampler_logprob_gap/max"] < 50 * TOL
+    assert calls == {"engine": 1, "adapter_load": 1}, calls
+    assert len(closed) == 1 and closed[0].llm is None, "the run shuts its engine down when it ends"
+
+    # a second run in the same process (a notebook cell run again) starts its own engine and trains
+    train(TrainConfig(generator="vllm", load_in_4bit=True, steps=1, num_generations=2, prompts_per_step=1,
+                      max_new_tokens=8, output_dir=str(tmp_path / "again"), sample_every=0, seed=4,
+                      eval_before_after=False))
+    assert calls["engine"] == 2 and len(closed) == 2
+
+
+def test_train_an_episode_task_with_vllm(tmp_path):
+    """The built-in number game trained on the engine, two steps (a sync between them)."""
+    from minigrpo import TrainConfig, train
+
+    out = tmp_path / "run"
+    train(TrainConfig(task="guess", generator="vllm", load_in_4bit=True, steps=2, num_generations=2,
+                      prompts_per_step=2, max_new_tokens=8, max_turns=3, output_dir=str(out), sample_every=0,
+                      seed=5, dtype="float32", eval_before_after=False))
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and all(1 <= m["episode/turns"] <= 3 for m in metrics)
+    for m in metrics:  # the engine's log-probs of the model's tokens are the trainer's, turn after turn
+        assert 0 <= m["sampler_logprob_gap/mean"] < TOL
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert all(s["completion"][0]["role"] == "assistant" and 1 <= s["turns"] <= 3 for s in samples)
+    # (whether a game goes past its first guess is up to the model; a turn after the environment's answer is
+    # checked on this engine above, with a given first turn)
