@@ -64,7 +64,10 @@ def resolve_weights(hub_id: str) -> str:
     if (converted / "config.json").exists():
         return str(converted)
     if not _hub_reachable(hub_id):
-        convert_offline_smollm2(converted)
+        # the conversion builds a model, which draws random numbers: a run that converts first (the first on a
+        # machine) must sample and initialise exactly as every later run with the same seed
+        with torch.random.fork_rng(devices=[]):
+            convert_offline_smollm2(converted)
         return str(converted)
     return hub_id
 

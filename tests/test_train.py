@@ -91,3 +91,17 @@ def test_check_reward_samples_the_model_and_warns(tmp_path):
     assert result.exit_code == 0, result.output
     assert "4 completions sampled" in result.output
     assert "zero: always zero" in result.output
+
+
+def test_converting_the_offline_model_leaves_the_seeded_random_stream_alone(tmp_path, monkeypatch):
+    """The first run on a machine converts the model after seeding; it must then train as every later run."""
+    import torch
+
+    from minigrpo.model import OFFLINE_HUB_ID, resolve_weights
+
+    monkeypatch.setenv("MINIGRPO_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    folder = resolve_weights(OFFLINE_HUB_ID)
+    assert str(tmp_path) in folder and torch.equal(torch.rand(3), expected)
