@@ -6,6 +6,10 @@ tool calls are run (`minigrpo.tools`) and their results appended as the chat tem
 episode ends when the model answers without calling a tool, at `max_turns`, or when its tokens reach
 `max_episode_tokens` (cut: marked truncated, like a reply cut at its length limit).
 
+Environments follow TRL's `environment_factory` contract: one instance per episode, `reset(**row)` (its text
+ends the prompt), its public methods as the episode's tools, `get_reward()` as a reward. Beyond TRL, an
+environment may `respond(message)` to a turn without tool calls, as the user; None ends the episode.
+
 An episode is one completion to the rest of the loop: its tokens are everything after the prompt, with a
 mask that is True only where the model wrote them, so tool results are context and never trained on
 (`Groups.model_masks`); the sampler's log-probs cover the model's tokens, 0 elsewhere (masked out).
