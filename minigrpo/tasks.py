@@ -131,44 +131,35 @@ def built_in(name: str) -> "Task":
 
 def load_reward(spec: str) -> Callable:
     """`path/to/file.py:function` or `package.module:function`."""
-    where, sep, name = spec.rpartition(":")
-    if not sep or not name:
-        raise ValueError(f"--reward {spec!r} must be file.py:function or module:function")
-    if where.endswith(".py"):
-        return _callable(_load_attr(Path(where), name), spec)
-    try:
-        module = importlib.import_module(where)
-    except ImportError as error:
-        raise ValueError(f"--reward {spec!r}: cannot import {where}: {error}") from error
-    if not hasattr(module, name):
-        raise ValueError(f"--reward {spec!r}: {where} has no {name}")
-    return _callable(getattr(module, name), spec)
+    return load_function(spec, "--reward", "a reward is fn(prompts, completions, **columns) -> list of floats")
 
 
 def load_tool(spec: str) -> Callable:
     """`path/to/file.py:function` or `package.module:function`, checked for a schema the model can be given."""
     from minigrpo.tools import schema
 
-    where, sep, name = spec.rpartition(":")
-    if not sep or not name:
-        raise ValueError(f"--tool {spec!r} must be file.py:function or module:function")
-    if where.endswith(".py"):
-        fn = _load_attr(Path(where), name)
-    else:
-        try:
-            fn = getattr(importlib.import_module(where), name)
-        except (ImportError, AttributeError) as error:
-            raise ValueError(f"--tool {spec!r}: {error}") from None
-    if not callable(fn):
-        raise ValueError(f"--tool {spec}: {type(fn).__name__} is not a function")
+    fn = load_function(spec, "--tool", "a tool is a function with type hints and a docstring")
     schema(fn)
     return fn
 
 
-def _callable(fn, spec: str) -> Callable:
+def load_function(spec: str, flag: str, what: str) -> Callable:
+    """The function `spec` names (`file.py:function` or `module:function`), or one line naming what is wrong."""
+    where, sep, name = spec.rpartition(":")
+    if not sep or not name:
+        raise ValueError(f"{flag} {spec!r} must be file.py:function or module:function")
+    if where.endswith(".py"):
+        fn = _load_attr(Path(where), name)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as error:
+            raise ValueError(f"{flag} {spec!r}: cannot import {where}: {error}") from error
+        if not hasattr(module, name):
+            raise ValueError(f"{flag} {spec!r}: {where} has no {name}")
+        fn = getattr(module, name)
     if not callable(fn):
-        raise ValueError(f"--reward {spec}: {type(fn).__name__} is not a function; a reward is "
-                         f"fn(prompts, completions, **columns) -> list of floats")
+        raise ValueError(f"{flag} {spec}: {type(fn).__name__} is not a function; {what}")
     return fn
 
 
