@@ -8,6 +8,7 @@ the wrong number of values, or returns NaN or inf.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import warnings
@@ -17,6 +18,59 @@ from rich.table import Table
 
 from minigrpo.scoring import RewardError, reward_name, score
 from minigrpo.tasks import Task
+
+
+def check_task(t: Task, rows: list[dict], console: Console, model: str | None = None, samples: int | None = None,
+               max_new_tokens: int | None = None, seed: int = 0) -> None:
+    """`minigrpo check-reward`: the worked examples, stand-in completions, and with a model, G completions
+    (or episodes) sampled for each row, with the share of groups GRPO could learn from."""
+    from rich.markup import escape
+
+    from minigrpo.config import TrainConfig
+    from minigrpo.console import shown
+    from minigrpo.evaluate import sample_completions
+
+    judged, t = t, without_judges(t)
+    if len(t.rewards) < len(judged.rewards):
+        console.print("[yellow]note[/]: judge rewards are checked on sampled completions only (they need the "
+                      "model, and grade worked examples differently from run to run)", highlight=False)
+    if t.rewards:
+        _check_without_model(t, rows, console)
+    if model is None:
+        return
+    t = judged
+    preset = TrainConfig(model=model)
+    samples = samples or preset.num_generations
+    completions, columns = sample_completions(t, rows, model=model, n=samples, temperature=1.0, seed=seed,
+                                              max_new_tokens=max_new_tokens or preset.max_new_tokens)
+    kind = "episodes" if t.tools or t.environment else "completions"
+    print_report(check_rewards(t, columns, completions), f"{t.name}: {len(completions)} {kind} sampled from {model}",
+                 console)
+    share, warning = learnable_share(t, columns, completions, samples)
+    console.print(f"groups with reward spread (the only ones GRPO learns from): {share:.0%} of {len(rows)} prompts "
+                  f"x G={samples}", highlight=False)
+    if warning:
+        console.print(f"[yellow]warning[/]: {warning}", highlight=False)
+    first = completions[0]
+    console.print(f"[bold]a sample[/]: {escape(repr(first) if isinstance(first, str) else shown(first))}",
+                  highlight=False)
+
+
+def _check_without_model(t: Task, rows: list[dict], console: Console) -> None:
+    for problem in check_examples(t):
+        console.print(f"[red]worked example[/]: {problem}", highlight=False)
+    if t.examples:
+        example_rows = [{k: v for k, v in e.items() if k not in ("completion", "expected")} for e in t.examples]
+        print_report(check_rewards(t, example_rows, [e["completion"] for e in t.examples], judge_spread=False),
+                     f"{t.name}: worked examples", console)
+    else:
+        console.print(f"[yellow]note[/]: task {t.name} has no worked examples, so no score is checked against an "
+                      f"expected one; add some (Task(examples=[...])) to check the rewards' values", highlight=False)
+    # what the run's precheck does: junk completions must not break the contract
+    junk = stand_ins(rows)
+    print_report(check_rewards(t, [{k: v for k, v in r.items() if k != "completion"} for r in junk],
+                               [r["completion"] for r in junk], judge_spread=False),
+                 f"{t.name}: stand-in completions (empty, and the prompt itself)", console)
 
 
 def check_rewards(task: Task, rows: list[dict], completions: list, judge_spread: bool = True) -> list[dict]:
@@ -53,6 +107,33 @@ def check_rewards(task: Task, rows: list[dict], completions: list, judge_spread:
             report["warnings"].append("constant: no group will have spread, nothing is learned")
         reports.append(report)
     return reports
+
+
+def without_judges(task: Task) -> Task:
+    """The task with only the rewards that can run before a model loads: a judge (`precheck = False`)
+    needs the model, and grades worked examples differently from run to run."""
+    weights = task.weights or [1.0] * len(task.rewards)
+    kept = [(fn, w) for fn, w in zip(task.rewards, weights) if getattr(fn, "precheck", True)]
+    return dataclasses.replace(task, rewards=[fn for fn, _ in kept], weights=[w for _, w in kept])
+
+
+def learnable_share(task: Task, rows: list[dict], completions: list, group_size: int) -> tuple[float, str | None]:
+    """The share of prompt groups (group_size completions each, in order) whose total rewards differ: in
+    GRPO only those carry a gradient. Returns it, and a warning when it is low."""
+    import torch
+
+    from minigrpo.loss import groups_with_spread
+
+    totals = score(task.rewards, task.weights or [1.0] * len(task.rewards), [str(r["prompt"]) for r in rows],
+                   completions, [[] for _ in completions], rows).totals
+    share = groups_with_spread(torch.tensor(totals), group_size).float().mean().item()
+    if share >= 0.25:
+        return share, None
+    why = (f"every completion scored {totals[0]:g}" if len(set(totals)) == 1
+           else "within most groups every completion scored the same")
+    return share, (f"only {share:.0%} of the prompt groups have reward spread, so most steps teach little ({why}: "
+                   f"the task is too hard or too easy for this model, or the reward too coarse; partial credit, "
+                   f"a larger G or another model give GRPO more to learn from)")
 
 
 def check_examples(task: Task) -> list[str]:
@@ -99,6 +180,10 @@ def precheck_rewards(task: Task, weights: list[float], rows: list[dict], timeout
         return ([r["prompt"] for r in examples], [r["completion"] for r in examples], [[] for _ in examples],
                 rows_only)
 
+    task = without_judges(dataclasses.replace(task, weights=weights))
+    if not task.rewards:
+        return []
+    weights = task.weights
     if task.examples:
         score(task.rewards, weights, *batch_of(task.examples), strict=True, timeout=timeout)
     with warnings.catch_warnings(record=True) as caught:

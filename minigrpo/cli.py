@@ -7,6 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from minigrpo.cli_machine import machine_app
+from minigrpo.cli_talk import UNCONFINED_HELP, talk_app
 from minigrpo.config import PRESETS, TrainConfig
 from minigrpo.errors import clear_errors
 
@@ -17,8 +18,6 @@ PRESET_HELP = "[default: from the model preset]"
 
 
 TIMEOUT_HELP = "Seconds a reward function may take per completion before it scores 0 (0: no limit)."
-UNCONFINED_HELP = ("Run model-written code (the code task) even where the kernel lacks a sandbox layer "
-                   "(Landlock, namespaces, seccomp); `minigrpo doctor` says which this machine has.")
 
 
 @app.command()
@@ -51,11 +50,18 @@ def train(
                                                     "against it before the model loads."),
     learning_rate: float = typer.Option(None, help=f"Adapter learning rate. {PRESET_HELP}"),
     beta: float = typer.Option(0.0, help="KL coefficient; 0 skips the reference pass."),
-    loss: str = typer.Option("dapo", help="grpo | dr_grpo | dapo | bnpo: a preset of the two knobs below."),
+    loss: str = typer.Option("dapo", help="grpo | dr_grpo | dapo | bnpo | gspo | cispo: a preset of the knobs below."),
     scale_rewards: str = typer.Option(None, help="group | batch | none [default: from --loss]."),
     loss_aggregation: str = typer.Option(None, help="sequence | token | constant [default: from --loss]."),
-    epsilon: float = typer.Option(0.2, help="PPO clip range below 1."),
-    epsilon_high: float = typer.Option(None, help="PPO clip range above 1 (clip-higher) [default: --epsilon]."),
+    importance_sampling: str = typer.Option(None, help="token | sequence: a ratio per token, or one per completion "
+                                                       "(GSPO) [default: from --loss]."),
+    surrogate: str = typer.Option(None, help="ppo | cispo: clip the ratio, or cap it as a detached weight "
+                                             "(CISPO) [default: from --loss]."),
+    epsilon: float = typer.Option(None, help="Clip range below 1 [default: from --loss: 0.2, gspo 3e-4]."),
+    epsilon_high: float = typer.Option(None, help="Clip range above 1 (clip-higher; cispo: the weight's cap - 1) "
+                                                  "[default: from --loss, else --epsilon]."),
+    top_entropy_quantile: float = typer.Option(1.0, help="Train on this top share of tokens by entropy (0.2: "
+                                                         "the 80/20 rule); 1 trains on all."),
     num_iterations: int = typer.Option(1, help="Optimizer passes per rollout (the ratio and clipping engage above 1)."),
     mask_truncated: bool = typer.Option(False, help="Completions cut at the length limit do not count."),
     filter_groups: bool = typer.Option(False, help="Drop groups with equal rewards and draw more prompts (DAPO)."),
@@ -106,26 +112,64 @@ def train(
             cfg.steps = steps
         cfg.output_dir = resume
     else:
-        try:
-            cfg = TrainConfig(
-                model=model, task=task, rewards=reward, reward_weights=reward_weight or None,
-                strict_rewards=strict_rewards, allow_unconfined_code=allow_unconfined_code,
-                reward_timeout=reward_timeout, steps=30 if steps is None else steps, output_dir=output_dir,
-                save_every=save_every, keep=keep, num_generations=num_generations, prompts_per_step=prompts_per_step,
-                max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens, learning_rate=learning_rate, beta=beta, loss=loss,
-                scale_rewards=scale_rewards, loss_aggregation=loss_aggregation, epsilon=epsilon,
-                epsilon_high=epsilon_high, num_iterations=num_iterations, mask_truncated=mask_truncated,
-                filter_groups=filter_groups, max_filter_rounds=max_filter_rounds, retire_solved=retire_solved,
-                eval_before_after=eval_before_after, eval_every=eval_every, eval_prompts=eval_prompts, eval_samples=eval_samples, lora_rank=lora_rank,
-                temperature=temperature, top_p=top_p, micro_batch_size=micro_batch_size, generator=generator,
-                gpu_memory_utilization=gpu_memory_utilization, tis_cap=tis_cap, seed=seed,
-                load_in_4bit=load_in_4bit, dtype=dtype, gradient_checkpointing=gradient_checkpointing,
-                sample_every=sample_every, report_to=report_to, tools=tool, max_turns=max_turns,
-                max_episode_tokens=max_episode_tokens, tool_timeout=tool_timeout,
-            )
-        except ValueError as error:
-            raise typer.BadParameter(str(error)) from None
+        cfg = config_from_flags(ctx.params)
     run_training(cfg, resume=bool(resume))
+
+
+def config_from_flags(params: dict) -> TrainConfig:
+    """The TrainConfig that `train`'s flags describe (their names are the config's, but for a few)."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    chosen = {name: value for name, value in params.items() if name in fields}
+    chosen.update(rewards=list(params["reward"]), reward_weights=list(params["reward_weight"]) or None,
+                  tools=list(params["tool"]), steps=30 if params["steps"] is None else params["steps"],
+                  report_to=list(params["report_to"]))
+    try:
+        return TrainConfig(**chosen)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@clear_errors
+def graduate(
+    ctx: typer.Context,
+    run: str = typer.Argument(None, help="A run folder, whose config.json is taken [default: train's flags, "
+                                         "given after --]."),
+    out: str = typer.Option(..., help="A new folder for train_trl.py, accelerate.yaml and README.md."),
+    gpus: int = typer.Option(1, help="GPUs on the machine: accelerate's processes."),
+    backend: str = typer.Option("zero2", help="zero2 | zero3 | fsdp: how the GPUs share the model (4-bit with "
+                                              "zero2 only)."),
+    full_finetune: bool = typer.Option(False, help="Train every weight, not LoRA adapters."),
+    vllm_mode: str = typer.Option("colocate", help="colocate | server: vLLM in each training process, or a "
+                                                   "separate server."),
+    from_adapter: str = typer.Option(None, help="Continue from this adapter (runs/<run>/adapter) [default: a "
+                                                "new one]."),
+) -> None:
+    """Continue on TRL across GPUs: a TRL script, an accelerate config and a README for the same task,
+    rewards and settings, e.g. `minigrpo graduate runs/<run> --gpus 4 --out trl` or
+    `minigrpo graduate --out trl --gpus 4 -- --model qwen-7b --task countdown`."""
+    from pathlib import Path
+
+    from minigrpo.graduate import graduate as write_folder
+
+    flags = list(ctx.args)
+    if run and run.startswith("-"):  # after --, the first of train's flags lands in the RUN argument's place
+        run, flags = None, [run, *flags]
+    if run and flags:
+        raise ValueError(f"give a run folder or train's flags after --, not both (got {run} and {' '.join(flags)})")
+    if run:
+        if not (Path(run) / "config.json").exists():
+            raise ValueError(f"{run} is not a run folder (it has no config.json); for a new setup give train's "
+                             f"flags after --")
+        cfg = TrainConfig.load(Path(run) / "config.json")
+    else:
+        train_command = typer.main.get_command(app).get_command(ctx, "train")
+        cfg = config_from_flags(train_command.make_context("train", flags).params)
+    folder = write_folder(cfg, Path(out), gpus, backend, full_finetune, vllm_mode, from_adapter)
+    Console().print(f"wrote {folder}: train_trl.py, accelerate.yaml, README.md (the mapping). Launch there:\n"
+                    f"  accelerate launch --config_file accelerate.yaml train_trl.py", highlight=False)
 
 
 @app.command("eval")
@@ -147,6 +191,7 @@ def eval_command(
     """Evaluate the base model or a trained adapter on the task's held-out split: pass@1 and mean reward."""
     from pathlib import Path
 
+    from minigrpo import judge
     from minigrpo.console import describe_eval
     from minigrpo.episodes import settle_budget
     from minigrpo.evaluate import Evaluator
@@ -164,7 +209,9 @@ def eval_command(
                                           eval_samples=samples, seed=seed)
     seed_everything(cfg.seed)
     settle_budget(cfg, t)
-    result = Evaluator(cfg, t, t.weights, tokenizer, HFGenerator(policy, tokenizer), folder)(None)
+    generator = HFGenerator(policy, tokenizer)
+    judge.attach(judge.base_generate(generator, tokenizer), folder)
+    result = Evaluator(cfg, t, t.weights, tokenizer, generator, folder)(None)
     Console().print(f"{f'adapter {adapter}' if adapter else 'base model ' + cfg.model} on {t.name}: "
                     f"{describe_eval(result)}", highlight=False)
 
@@ -205,96 +252,25 @@ def tasks() -> None:
 def check_reward(
     task: str = typer.Option(..., help="Built-in task, task .py file, data file, or hub dataset."),
     reward: list[str] = typer.Option([], help="Extra reward function file.py:function (repeat) [default: none]."),
+    tool: list[str] = typer.Option([], help="A tool the model may call, file.py:function (repeat): each "
+                                            "completion becomes an episode [default: the task's own]."),
     model: str = typer.Option("smollm2-135m", help="The model to sample completions from."),
     prompts: int = typer.Option(4, help="Prompts to sample completions for."),
-    samples: int = typer.Option(4, help="Completions per prompt."),
+    samples: int = typer.Option(None, help="Completions per prompt [default: the model preset's G]."),
     max_new_tokens: int = typer.Option(None, help="Completion length limit [default: from the model preset]."),
     no_model: bool = typer.Option(False, "--no-model", help="Only the worked examples and the data; load no model."),
     seed: int = typer.Option(0),
     allow_unconfined_code: bool = typer.Option(False, help=UNCONFINED_HELP),
 ) -> None:
     """Run the rewards on worked examples and on sampled completions; warn about broken or useless ones."""
-    from minigrpo.check import check_examples, check_rewards, print_report, stand_ins
+    from minigrpo.check import check_task
     from minigrpo.tasks import check_sandbox, get_task
-    
+
     console = Console()
-    t = get_task(task, reward)
+    t = get_task(task, reward, extra_tools=tool)
     check_sandbox(t, allow_unconfined_code, console.print)
-    rows = t.make_data("train", seed)[:prompts]
-    for problem in check_examples(t):
-        console.print(f"[red]worked example[/]: {problem}", highlight=False)
-    if t.examples:
-        example_rows = [{k: v for k, v in e.items() if k not in ("completion", "expected")} for e in t.examples]
-        print_report(check_rewards(t, example_rows, [e["completion"] for e in t.examples], judge_spread=False),
-                     f"{t.name}: worked examples", console)
-    else:
-        console.print(f"[yellow]note[/]: task {t.name} has no worked examples, so no score is checked against an "
-                      f"expected one; add some (Task(examples=[...])) to check the rewards' values", highlight=False)
-    # what the run's precheck does: junk completions must not break the contract
-    junk = stand_ins(rows)
-    print_report(check_rewards(t, [{k: v for k, v in r.items() if k != "completion"} for r in junk],
-                               [r["completion"] for r in junk], judge_spread=False),
-                 f"{t.name}: stand-in completions (empty, and the prompt itself)", console)
-    if no_model:
-        return
-    from minigrpo.evaluate import sample_texts
-
-    length = max_new_tokens or TrainConfig(model=model).max_new_tokens
-    completions = sample_texts([r["prompt"] for r in rows], model=model, n=samples, max_new_tokens=length,
-                               temperature=1.0, seed=seed)
-    sampled_rows = [r for r in rows for _ in range(samples)]
-    print_report(check_rewards(t, sampled_rows, completions),
-                 f"{t.name}: {len(completions)} completions sampled from {model}", console)
-    console.print(f"[bold]a sample[/]: {completions[0]!r}", highlight=False)
-
-
-@app.command()
-@clear_errors
-def sample(
-    prompt: list[str] = typer.Argument(..., help="One or more prompts (user messages)."),
-    adapter: str = typer.Option(None, help="A trained adapter folder (runs/<run>/adapter) [default: none, the base model]."),
-    model: str = typer.Option(None, help="Base model [default: the adapter's run config, else smollm2-135m]."),
-    n: int = typer.Option(1, help="Completions per prompt."),
-    max_new_tokens: int = typer.Option(256, help="Completion length limit."),
-    temperature: float = typer.Option(0.7, help="Sampling temperature; 0 is greedy."),
-    seed: int = typer.Option(0),
-) -> None:
-    """Sample completions from a trained adapter (or the base model) for a few prompts."""
-    from minigrpo.evaluate import sample_texts
-
-    console = Console()
-    for i, text in enumerate(sample_texts(prompt, adapter, model, n, max_new_tokens, temperature, seed)):
-        console.print(f"[bold]{prompt[i // n]}[/]\n{text}\n", highlight=False)
-
-
-@app.command()
-@clear_errors
-def chat(
-    adapter: str = typer.Option(None, help="A trained adapter folder [default: none, the base model]."),
-    model: str = typer.Option(None, help="Base model [default: the adapter's run config, else smollm2-135m]."),
-    max_new_tokens: int = typer.Option(256, help="Reply length limit."),
-    temperature: float = typer.Option(0.7, help="Sampling temperature; 0 is greedy."),
-) -> None:
-    """Talk to a trained adapter; an empty line or `exit` ends the chat."""
-    from minigrpo.generation import HFGenerator, Sampling
-    from minigrpo.model import load_trained
-    from minigrpo.rollout import render_prompt
-
-    policy, tokenizer, _ = load_trained(adapter, model)
-    generator, history, console = HFGenerator(policy, tokenizer), [], Console()
-    while True:
-        try:
-            line = input("you> ").strip()
-        except EOFError:
-            break
-        if not line or line == "exit":
-            break
-        history.append({"role": "user", "content": line})
-        ids = tokenizer(render_prompt(tokenizer, history), add_special_tokens=False).input_ids
-        out = generator.generate([ids], Sampling(1, max_new_tokens, temperature))
-        reply = tokenizer.decode(out.completion_ids[0], skip_special_tokens=True)
-        history.append({"role": "assistant", "content": reply})
-        console.print(f"[bold]model>[/] {reply}", highlight=False)
+    check_task(t, t.make_data("train", seed)[:prompts], console, None if no_model else model, samples,
+               max_new_tokens, seed)
 
 
 @app.command()
@@ -345,6 +321,7 @@ def plot(
 
 
 app.add_typer(machine_app)  # plan, doctor, bench
+app.add_typer(talk_app)  # sample, chat
 
 
 def main() -> None:

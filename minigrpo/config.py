@@ -85,11 +85,14 @@ class TrainConfig:
     # objective (minigrpo/loss.py has the formulas)
     learning_rate: float | None = None  # None: from the preset
     beta: float = 0.0  # weight of the k3 KL to the reference; 0 skips the reference pass entirely
-    loss: str = "dapo"  # preset of the two knobs below: grpo, dr_grpo, dapo, bnpo
+    loss: str = "dapo"  # preset of the knobs below: grpo, dr_grpo, dapo, bnpo, gspo, cispo
     scale_rewards: str | None = None  # advantages divided by the std of: "group", "batch", "none"; None: preset
     loss_aggregation: str | None = None  # "sequence", "token" or "constant"; None: from the loss preset
-    epsilon: float = 0.2  # ppo clip range below 1
-    epsilon_high: float | None = None  # ppo clip range above 1 (dapo's clip-higher: 0.28); None: epsilon
+    importance_sampling: str | None = None  # ratio per "token", or one per "sequence" (gspo); None: preset
+    surrogate: str | None = None  # "ppo" (clipped ratio) or "cispo" (capped, detached weight); None: preset
+    epsilon: float | None = None  # clip range below 1; None: from the loss preset (0.2; gspo 3e-4)
+    epsilon_high: float | None = None  # clip range above 1 (dapo's clip-higher: 0.28); None: preset, else epsilon
+    top_entropy_quantile: float = 1.0  # train on this top share of each micro-batch's tokens by entropy; 1: all
     num_iterations: int = 1  # optimizer passes per rollout; above 1 the ratio and clipping engage
     mask_truncated: bool = False  # completions cut at max_new_tokens do not count in the loss
     max_grad_norm: float = 1.0  # clip the adapter's gradient norm; 0 disables
@@ -181,6 +184,9 @@ class TrainConfig:
             (self.learning_rate > 0, "learning_rate must be > 0"),
             (self.beta >= 0, "beta must be >= 0"),
             (self.epsilon > 0 and self.epsilon_high > 0, "epsilon and epsilon_high must be > 0"),
+            (self.importance_sampling in ("token", "sequence"), "importance_sampling must be token or sequence"),
+            (self.surrogate in ("ppo", "cispo"), "surrogate must be ppo or cispo"),
+            (0 < self.top_entropy_quantile <= 1, "top_entropy_quantile must be in (0, 1]"),
             (self.scale_rewards in ("group", "batch", "none"), "scale_rewards must be group, batch or none"),
             (self.loss_aggregation in ("sequence", "token", "constant"),
              "loss_aggregation must be sequence, token or constant"),

@@ -99,5 +99,11 @@ def describe_eval(r: dict) -> str:
     n = r["samples_per_prompt"]
     reward = f"mean reward {r['reward/mean']:.3f} ± {r['reward/stderr']:.3f}" if n else \
         f"greedy mean reward {r['greedy_reward/mean']:.3f}"
-    return (f"pass@1 {r['pass@1']:.3f} ± {r['pass@1/stderr']:.3f}  {reward}  "
+    line = (f"pass@1 {r['pass@1']:.3f} ± {r['pass@1/stderr']:.3f}  {reward}  "
             f"({r['prompts']} prompts{f' x {n} samples' if n else ', greedy'})")
+    ks = [key.split("@")[1] for key in r if key.startswith("sampled/pass@") and not key.endswith("/stderr")]
+    if ks:
+        line += "\n  sampled pass@k: " + ", ".join(f"k={k} {r[f'sampled/pass@{k}']:.3f}" for k in ks)
+    if f"sampled/maj@{n}" in r:
+        line += f"  maj@{n} {r[f'sampled/maj@{n}']:.3f} ± {r[f'sampled/maj@{n}/stderr']:.3f}"
+    return line

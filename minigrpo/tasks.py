@@ -11,6 +11,7 @@ and where one comes from: a built-in name, a task file, a data file, or a hub da
 from __future__ import annotations
 
 import csv
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -29,7 +30,8 @@ from minigrpo.scoring import reward_name
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 # the built-in tasks: a name, and the module of `rewards/` whose TASK it is, loaded by name as a task file is
 BUILT_IN = {"addition": "rewards.addition", "countdown": "rewards.countdown", "gsm8k": "rewards.gsm8k",
-            "math": "rewards.maths", "code": "rewards.code", "guess": "rewards.guess", "multiply": "rewards.multiply"}
+            "math": "rewards.maths", "code": "rewards.code", "guess": "rewards.guess", "multiply": "rewards.multiply",
+            "haiku": "rewards.judge"}
 
 
 @dataclass
@@ -46,6 +48,8 @@ class Task:
     # a class (or function) making one environment per episode: reset(**row), its methods as tools, and
     # optionally get_reward(); TRL's `environment_factory`
     environment: Callable | None = None
+    # a completion's final answer as a string (None: it gave none), for majority votes in evaluation (maj@k)
+    answer: Callable | None = None
 
     @property
     def reward_names(self) -> list[str]:
@@ -90,8 +94,7 @@ def get_task(spec: str, extra_rewards: list[str] = (), seed: int = 0, extra_tool
     if len(set(names)) < len(names):
         raise ValueError(f"two tools share a name ({', '.join(sorted({n for n in names if names.count(n) > 1}))}): "
                          f"the model calls a tool by its name, so each must be distinct")
-    return Task(task.name, task.description, task.make_data, distinct_names(rewards), weights, task.examples,
-                task.source, task.runs_code, tools, task.environment)
+    return dataclasses.replace(task, rewards=distinct_names(rewards), weights=weights, tools=tools)
 
 
 def distinct_names(rewards: list[Callable]) -> list[Callable]:

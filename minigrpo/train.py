@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minigrpo import checkpoint
+from minigrpo import checkpoint, judge
 from minigrpo import loss as L
 from minigrpo.check import precheck_rewards
 from minigrpo.config import PRESETS, TrainConfig
@@ -63,10 +63,12 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
     if not resume:
         run.start(cfg)  # written only now that the run can start
     model, tokenizer, generator = loaded.model, loaded.tokenizer, loaded.generator
+    judge.attach(judge.base_generate(generator, tokenizer), run.path)  # judge rewards grade with the base model
     try:
         return _train(cfg, resume, task, weights, train_rows, run, display, model, tokenizer, generator,
                       loaded.dtype)
     finally:
+        judge.attach(None, None)
         generator.close()  # frees the engine, so a second run in this process (a notebook cell re-run) can start one
 
 
@@ -272,6 +274,7 @@ def step_metrics(step: int, batch, info: dict, rewards, mb: MicroBatches, update
         "mem/peak_gb": peak_memory_gb(),
         **reserved_memory_gb(),
         **prompts.metrics(),
+        **judge.step_metrics(),
     }
     if update.nonfinite:
         metrics["skipped_nonfinite"] = 1

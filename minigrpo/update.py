@@ -88,9 +88,13 @@ def policy_update(cfg: TrainConfig, model, mb: MicroBatches, advantages: torch.T
                                             with_entropy=True)  # [b, n], [b, n]
             old = logps.detach() if old is None else old
             sampler = mb.sampler[c, :n].to(logps.device) if mb.sampler is not None else None  # [b, n]
+            selected = L.high_entropy(entropy, mask, cfg.top_entropy_quantile) if cfg.top_entropy_quantile < 1 \
+                else None  # [b, n]
             loss, m = L.policy_loss(logps, old, ref, advantages[c].to(logps.device), mask, epsilon=cfg.epsilon,
                                     epsilon_high=cfg.epsilon_high, beta=cfg.beta, aggregation=cfg.loss_aggregation,
-                                    max_tokens=cfg.completion_tokens, sampler_logps=sampler, tis_cap=cfg.tis_cap)
+                                    max_tokens=cfg.completion_tokens, sampler_logps=sampler, tis_cap=cfg.tis_cap,
+                                    importance_sampling=cfg.importance_sampling, surrogate=cfg.surrogate,
+                                    selected=selected)
             weight = L.microbatch_weight(mask, mb.full_mask, cfg.loss_aggregation)
             scaler.scale(loss * weight).backward()
             pass_loss += loss.item() * weight

@@ -112,15 +112,17 @@ class VLLMGenerator:
         engine._sleep()
         return engine
 
-    def generate(self, prompt_ids: list[list[int]], sampling: Sampling) -> Rollout:
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling, base: bool = False) -> Rollout:
+        """Completions from the policy; with `base`, from the base model alone (no adapter: the reference,
+        the in-memory judge), which draws nothing from the policy's seed stream."""
         from vllm import SamplingParams
 
         params = SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                                 max_tokens=sampling.max_new_tokens, logprobs=0,
-                                seed=self.rng.randrange(2**31))
+                                seed=None if base else self.rng.randrange(2**31))
         self._wake()
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params,
-                                    lora_request=self.lora, use_tqdm=False)
+                                    lora_request=None if base else self.lora, use_tqdm=False)
         self._sleep()
         completions, truncated, logps = [], [], []
         for request in outputs:

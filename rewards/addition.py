@@ -31,6 +31,12 @@ def addition_reward(completions: list[str], a: list[int], b: list[int], **kwargs
     return scores
 
 
+def last_integer(completion) -> str | None:
+    """The answer a majority vote counts: the last integer of the reply."""
+    found = INTEGER.findall(text_of(completion))
+    return str(int(found[-1])) if found else None
+
+
 def make_data(split: str, seed: int) -> list[dict]:
     """All 100 one-digit pairs, three phrasings each; the test split holds a quarter of the pairs out."""
     pairs = [(a, b) for a in range(10) for b in range(10)]
@@ -45,4 +51,5 @@ TASK = Task(
     description="one-digit addition, scored on the last number of the reply; learnable by a 135M model on cpu",
     make_data=make_data,
     rewards=[addition_reward],
+    answer=last_integer,
 )

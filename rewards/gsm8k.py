@@ -62,6 +62,13 @@ def gsm8k_lenient(completions: list, answer: list[str], **kwargs) -> list[float]
     return scores
 
 
+def final_number(completion) -> str | None:
+    """The answer a majority vote counts: the last number of the reply, commas and dollar signs dropped."""
+    numbers = NUMBER.findall(text_of(completion))
+    value = to_number(numbers[-1]) if numbers else None
+    return None if value is None else f"{value:g}"
+
+
 def make_data(split: str, seed: int) -> list[dict]:
     rows = None
     if os.environ.get("HF_HUB_OFFLINE") != "1":
@@ -81,6 +88,7 @@ TASK = Task(
     description="grade-school word problems; strict (<answer> tag) and lenient (last number) scoring",
     make_data=make_data,
     rewards=[gsm8k_strict, gsm8k_lenient],
+    answer=final_number,
     weights=[1.0, 0.0],
     examples=[
         {"prompt": "2 + 2?", "answer": "#### 4", "completion": "<think>2+2</think><answer>4</answer>", "expected": 1.0},

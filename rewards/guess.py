@@ -3,13 +3,17 @@
 A multi-turn game with feedback, in the environment contract (`minigrpo/episodes.py`): the environment
 holds the secret and answers each of the model's turns as the user (`respond`); the episode ends at the
 right number or at --max-turns. The reward reads the transcript: 1.0 when the model's last turn names the
-secret, so guessing blindly pays less than using the hints.
+secret; short of that, up to 0.5 for how close its last guess came, so a model that follows the hints earns
+more than one that guesses blindly, and a tiny model that only learns to answer with a number still sees a
+gradient (four turns of halving find any secret from 1 to 9).
 
 >>> guess_reward([[{"role": "assistant", "content": "5"}, {"role": "user", "content": "Higher."},
 ...                {"role": "assistant", "content": "Is it 7?"}]], secret=[7])
 [1.0]
 >>> guess_reward([[{"role": "assistant", "content": "5"}, {"role": "user", "content": "Higher."}]], secret=[7])
-[0.0]
+[0.375]
+>>> guess_reward([[{"role": "assistant", "content": "I think 1000."}], "no idea"], secret=[7, 7])
+[0.0, 0.0]
 >>> game = Hints(); game.reset(secret=7)
 >>> game.respond("My guess is 4."), game.respond("9"), game.respond("no idea"), game.respond("7")
 ('Higher.', 'Lower.', 'Say one number from 1 to 9.', None)
@@ -42,13 +46,20 @@ class Hints:
         return "Higher." if guess < self.secret else "Lower."
 
 
+def last_guess(episode) -> str | None:
+    """The answer a majority vote counts: the last number of the model's last turn."""
+    turns = [m for m in episode if m["role"] == "assistant"] if isinstance(episode, list) else []
+    found = NUMBER.findall(text_of(turns[-1:]) if turns else text_of(episode))
+    return str(int(found[-1])) if found else None
+
+
 def guess_reward(completions: list, secret: list[int], **kwargs) -> list[float]:
-    """1.0 when the last number of the model's last turn is the secret."""
+    """1.0 when the last number of the model's last turn is the secret; else 0.5 x (1 - distance / 8) for a
+    last guess from 1 to 9, and 0.0 without one."""
     scores = []
     for episode, x in zip(completions, secret):
-        turns = [m for m in episode if m["role"] == "assistant"] if isinstance(episode, list) else []
-        found = NUMBER.findall(text_of(turns[-1:]) if turns else text_of(episode))
-        scores.append(1.0 if found and int(found[-1]) == x else 0.0)
+        guess = int(last_guess(episode) or 0)
+        scores.append(1.0 if guess == x else 0.5 * (1 - abs(guess - x) / 8) if 1 <= guess <= 9 else 0.0)
     return scores
 
 
@@ -64,6 +75,7 @@ TASK = Task(
     description="multi-turn: guess a number from 1 to 9 told higher or lower (an environment that talks)",
     make_data=make_data,
     rewards=[guess_reward],
+    answer=last_guess,
     environment=Hints,
     examples=[{"prompt": "Guess my number (1 to 9).", "secret": 3, "expected": 1.0,
                "completion": [{"role": "assistant", "content": "5"}, {"role": "user", "content": "Lower."},

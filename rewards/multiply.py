@@ -43,6 +43,12 @@ def product_reward(completions: list, a: list[int], b: list[int], **kwargs) -> l
     return scores
 
 
+def final_product(episode) -> str | None:
+    """The answer a majority vote counts: the last number of the episode's last message, commas dropped."""
+    found = NUMBER.findall(text_of(episode))
+    return found[-1].replace(",", "") if found else None
+
+
 def make_data(split: str, seed: int) -> list[dict]:
     rng = random.Random(f"multiply-{split}-{seed}")
     rows = []
@@ -57,6 +63,7 @@ TASK = Task(
     description="tool use: three-digit products, with a multiply tool as the only sure way to the answer",
     make_data=make_data,
     rewards=[product_reward],
+    answer=final_product,
     tools=[multiply],
     examples=[{"prompt": "What is 12 x 34?", "a": 12, "b": 34, "expected": 1.0,
                "completion": [{"role": "assistant", "content": "12 x 34 = 408"}]}],

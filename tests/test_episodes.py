@@ -376,3 +376,30 @@ def test_the_guess_game_trains_end_to_end(tmp_path):
     assert sample["completion"][0]["role"] == "assistant" and 1 <= sample["turns"] <= 3
     if sample["turns"] > 1:  # the game answered as the user
         assert sample["completion"][1]["role"] == "user"
+
+
+def test_sample_and_check_reward_show_episodes(tmp_path):
+    from typer.testing import CliRunner
+
+    from minigrpo.cli import app
+
+    runner = CliRunner()
+    result = runner.invoke(app, ["sample", "--task", "guess", "--prompts", "1", "--n", "2", "--max-new-tokens", "8",
+                                 "--max-turns", "2", "--temperature", "1.0"])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("[assistant]") >= 2 and result.output.count("\nreward ") == 2
+    assert "guess_reward" in result.output and "Guess" in result.output  # the held-out prompt, then its episode
+    # free prompts with a tool of one's own: episodes too (the tool is offered; whether it is called is the model's)
+    result = runner.invoke(app, ["sample", "What is 347 x 892?", "--tool", "rewards/multiply.py:multiply",
+                                 "--max-new-tokens", "8", "--temperature", "0"])
+    assert result.exit_code == 0, result.output
+    assert "[assistant]" in result.output and "reward" not in result.output
+    result = runner.invoke(app, ["check-reward", "--task", "guess", "--prompts", "1", "--samples", "2",
+                                 "--max-new-tokens", "8"])
+    assert result.exit_code == 0, result.output
+    assert "guess: 2 episodes sampled" in result.output and "a sample" in result.output
+    assert "groups with reward spread" in result.output
+    result = runner.invoke(app, ["sample", "What is 2 x 3?", "--task", "guess"])
+    assert result.exit_code != 0 and "not both" in result.output
+    result = runner.invoke(app, ["sample", "Hi", "--tool", "nowhere.py:fn"])
+    assert result.exit_code != 0 and "nowhere.py" in result.output and "Traceback" not in result.output

@@ -112,7 +112,8 @@ def test_microbatches_add_up_to_the_whole_batch(aggregation):
 def reference_loss(logps, old, ref, rewards, mask, group_size, preset, epsilon, epsilon_high, beta, max_tokens):
     from minigrpo.loss import PRESETS
 
-    scale, aggregation = PRESETS[preset]["scale_rewards"], PRESETS[preset]["loss_aggregation"]
+    knobs = PRESETS[preset]
+    scale, aggregation = knobs["scale_rewards"], knobs["loss_aggregation"]
     B, T = logps.shape
     adv = []
     for i in range(B):
@@ -131,12 +132,16 @@ def reference_loss(logps, old, ref, rewards, mask, group_size, preset, epsilon, 
     row_sums, row_counts = [], []
     for i in range(B):
         total, count = 0.0, 0
-        for t in range(T):
-            if not mask[i, t]:
-                continue
-            ratio = torch.exp(logps[i, t] - old[i, t])
-            clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
-            term = -torch.min(ratio * adv[i], clipped * adv[i])
+        tokens = [t for t in range(T) if mask[i, t]]
+        # GSPO: one ratio per completion, the geometric mean of its token ratios
+        sequence_ratio = torch.exp(sum(logps[i, t] - old[i, t] for t in tokens) / len(tokens))
+        for t in tokens:
+            ratio = sequence_ratio if knobs["importance_sampling"] == "sequence" else torch.exp(logps[i, t] - old[i, t])
+            if knobs["surrogate"] == "cispo":  # a capped weight on A x log p, no gradient through the weight
+                term = -min(ratio.item(), 1 + epsilon_high) * adv[i] * logps[i, t]
+            else:
+                clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+                term = -torch.min(ratio * adv[i], clipped * adv[i])
             if beta:
                 d = ref[i, t] - logps[i, t]
                 term = term + beta * (torch.exp(d) - d - 1)
@@ -150,7 +155,7 @@ def reference_loss(logps, old, ref, rewards, mask, group_size, preset, epsilon, 
     return sum(row_sums) / (B * max_tokens)
 
 
-@pytest.mark.parametrize("preset", ["grpo", "dr_grpo", "dapo", "bnpo"])
+@pytest.mark.parametrize("preset", ["grpo", "dr_grpo", "dapo", "bnpo", "gspo", "cispo"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_every_preset_matches_an_independent_implementation(preset, beta):
     from minigrpo.loss import PRESETS
@@ -166,7 +171,8 @@ def test_every_preset_matches_an_independent_implementation(preset, beta):
     knobs = PRESETS[preset]
     adv = advantages(rewards, G, knobs["scale_rewards"])
     ours, _ = policy_loss(logps, old, ref, adv, mask, epsilon=0.2, epsilon_high=0.28, beta=beta,
-                          aggregation=knobs["loss_aggregation"], max_tokens=10)
+                          aggregation=knobs["loss_aggregation"], max_tokens=10,
+                          importance_sampling=knobs["importance_sampling"], surrogate=knobs["surrogate"])
     (grad_ours,) = torch.autograd.grad(ours, logps)
     theirs = reference_loss(logps, old, ref, rewards, mask, G, preset, 0.2, 0.28, beta, 10)
     (grad_theirs,) = torch.autograd.grad(theirs, logps)
@@ -184,3 +190,67 @@ def test_truncated_importance_sampling_weights_and_caps():
     (grad,) = torch.autograd.grad(loss, logps)
     # d/dlogp of -ratio * A * w at ratio 1 is -w/3 per token, w = min(ratio, cap)
     assert torch.allclose(grad, -torch.tensor([[1.5, 1.0, 0.25]]) / 3)
+
+
+def test_sequence_ratios_clip_a_completion_as_a_whole():
+    """GSPO: two tokens whose ratios are 1.5 and 1/1.5 average out to a sequence ratio of 1: not clipped,
+    while token-level clipping at the same range clips one of them."""
+    logps = torch.zeros(1, 2, requires_grad=True)
+    old = torch.log(torch.tensor([[1 / 1.5, 1.5]]))
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    _, token = policy_loss(logps, old, None, torch.tensor([1.0]), mask, epsilon=0.2)
+    loss, sequence = policy_loss(logps, old, None, torch.tensor([1.0]), mask, epsilon=0.2,
+                                 importance_sampling="sequence")
+    assert token["clip_frac"] == 0.5 and sequence["clip_frac"] == 0.0
+    assert sequence["ratio/mean"] == pytest.approx(1.0)
+    (grad,) = torch.autograd.grad(loss, logps)
+    assert torch.allclose(grad, torch.full((1, 2), -0.5))  # d(-s A)/dlogp_t = -s A / |y|, s = 1
+
+
+def test_cispo_keeps_the_gradient_of_capped_tokens():
+    logps = torch.zeros(1, 2, requires_grad=True)
+    old = torch.log(torch.tensor([[1 / 3.0, 1.0]]))  # ratios 3 and 1; cap 1 + 1.0 = 2
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    ppo, _ = policy_loss(logps, old, None, torch.tensor([1.0]), mask, epsilon=0.2, epsilon_high=1.0,
+                         aggregation="token")
+    (ppo_grad,) = torch.autograd.grad(ppo, logps)
+    cispo, m = policy_loss(logps, old, None, torch.tensor([1.0]), mask, epsilon=0.2, epsilon_high=1.0,
+                           aggregation="token", surrogate="cispo")
+    (grad,) = torch.autograd.grad(cispo, logps)
+    assert ppo_grad[0, 0] == 0  # ppo drops the clipped token
+    assert torch.allclose(grad, torch.tensor([[-2.0, -1.0]]) / 2) and m["clip_frac"] == 0.5
+
+
+def test_entropy_selection_trains_only_the_chosen_tokens():
+    from minigrpo.loss import high_entropy
+
+    logps, _, ref, adv, mask = _inputs(B=2, T=10, seed=5)
+    old = logps.detach()  # on-policy: no token is clipped
+    entropy = torch.rand(2, 10, generator=torch.Generator().manual_seed(1)) * 3
+    chosen = high_entropy(entropy, mask, 0.2)
+    assert chosen.sum() == round(0.2 * mask.sum().item()) and not (chosen & ~mask).any()
+    assert entropy[chosen].min() >= entropy[mask & ~chosen].max()
+    loss, _ = policy_loss(logps, old, None, adv, mask, aggregation="token", selected=chosen)
+    (grad,) = torch.autograd.grad(loss, logps)
+    assert (grad[~chosen] == 0).all() and (grad[chosen] != 0).all()
+    # the normaliser is every masked token: the chosen tokens' gradients are those of the full loss
+    full, _ = policy_loss(logps, old, None, adv, mask, aggregation="token")
+    (full_grad,) = torch.autograd.grad(full, logps)
+    assert torch.allclose(grad[chosen], full_grad[chosen])
+    # the KL still covers every token
+    loss, _ = policy_loss(logps, old, ref, torch.zeros(2), mask, beta=0.1, aggregation="token", selected=chosen)
+    (grad,) = torch.autograd.grad(loss, logps)
+    assert (grad[mask] != 0).all()
+
+
+def test_gspo_and_cispo_presets_bring_their_own_clip_ranges():
+    from minigrpo import TrainConfig
+
+    gspo = TrainConfig(loss="gspo")
+    assert (gspo.importance_sampling, gspo.epsilon, gspo.epsilon_high) == ("sequence", 3e-4, 4e-4)
+    assert TrainConfig(loss="gspo", epsilon_high=1e-3).epsilon_high == 1e-3  # a flag wins over the preset
+    cispo = TrainConfig(loss="cispo")
+    assert (cispo.surrogate, cispo.loss_aggregation, cispo.epsilon_high) == ("cispo", "token", 4.0)
+    assert (TrainConfig().epsilon, TrainConfig().epsilon_high, TrainConfig().importance_sampling) == (0.2, 0.2, "token")
+    with pytest.raises(ValueError, match="top_entropy_quantile"):
+        TrainConfig(top_entropy_quantile=0.0)

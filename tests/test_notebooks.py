@@ -55,3 +55,14 @@ def test_countdown_notebook_shows_a_training_error_as_an_error(tmp_path):
             f'MAX_NEW_TOKENS = 8\nGENERATOR = "hf"\nRUN_DIR = "{blocker / "run"}"\nLIVE_PLOT_SECONDS = 1\n'
         ), tmp_path)
     assert "is a file, so no folder can be made there" in str(failed.value) and "import threading" in str(failed.value)  # the training cell
+
+
+def test_your_own_tool_notebook(tmp_path):
+    nb = run_notebook("your_own_tool.ipynb", (
+        'MODEL = "smollm2-135m"\nSTEPS = 2\nNUM_GENERATIONS = 2\nMAX_NEW_TOKENS = 12\nMAX_TURNS = 2\n'
+        f'EVAL_PROMPTS = 2\nWORKDIR = "{tmp_path / "shop"}"\n'
+    ), tmp_path)
+    text = outputs(nb)
+    assert '"name": "price"' in text and "2.9" in text and "error: " in text  # the schema, a call, a failed one
+    assert "shop: 4 episodes sampled" in text and text.count("pass@1") == 2 and "[assistant]" in text
+    assert (tmp_path / "shop" / "run" / "adapter" / "adapter_model.safetensors").exists()

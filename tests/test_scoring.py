@@ -122,3 +122,36 @@ def test_tasks_from_files_and_rewards_from_files(tmp_path):
     with pytest.raises(ValueError, match="must be file.py:function"):
         load_reward("nothing")
     assert load_reward("rewards.format:format_reward")(completions=["<answer>1</answer>"]) == [0.5]
+
+
+def test_check_reward_reports_the_share_of_groups_grpo_can_learn_from():
+    from minigrpo.check import learnable_share
+    from minigrpo.tasks import Task
+
+    def exact(completions, answer, **kw):
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    task = Task("t", "", lambda split, seed: [], [exact])
+    rows = [{"prompt": "p", "answer": "x"}] * 2 + [{"prompt": "q", "answer": "y"}] * 2 \
+        + [{"prompt": "r", "answer": "z"}] * 2 + [{"prompt": "s", "answer": "w"}] * 2
+    share, warning = learnable_share(task, rows, ["x", "no", "no", "no", "no", "no", "no", "no"], group_size=2)
+    assert share == 0.25 and warning is None  # one group of four has spread: enough to say nothing
+    share, warning = learnable_share(task, rows, ["no"] * 8, group_size=2)
+    assert share == 0.0 and "every completion scored 0" in warning and "too hard" in warning
+    share, warning = learnable_share(task, rows, ["x", "x", "no", "no", "z", "z", "w", "w"], group_size=2)
+    assert share == 0.0 and "scored the same" in warning  # all-right or all-wrong groups: nothing to compare
+
+
+def test_a_reward_can_mark_a_completion_it_could_not_score():
+    import warnings
+
+    def picky(completions, **kw):
+        return [1.0 if c == "ok" else ValueError(f"cannot read {c!r}") for c in completions]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = score([picky], [1.0], ["p", "p"], ["ok", "??"], [[], []], [{"prompt": "p"}] * 2)
+    assert result.totals == [1.0, 0.0] and result.errors == {"picky": 1}
+    assert "could not score 1 of 2" in str(caught[0].message) and "cannot read" in str(caught[0].message)
+    with pytest.raises(RewardError, match="could not score a completion"):
+        score([picky], [1.0], ["p", "p"], ["ok", "??"], [[], []], [{"prompt": "p"}] * 2, strict=True)

@@ -23,13 +23,16 @@ def read(path):
     ("dr_grpo", {"mask_truncated": True}),
     ("dapo", {"epsilon_high": 0.28, "num_iterations": 2}),
     ("bnpo", {"beta": 0.04}),
+    ("gspo", {"num_iterations": 2}),
+    ("cispo", {"top_entropy_quantile": 0.2}),
 ])
 def test_each_loss_preset_trains(tmp_path, preset, extra):
     run = train(TrainConfig(loss=preset, output_dir=str(tmp_path / "run"), **SMALL, **extra))
     config = json.loads((run / "config.json").read_text())
     assert (config["scale_rewards"], config["loss_aggregation"]) == {
         "grpo": ("group", "sequence"), "dr_grpo": ("none", "constant"),
-        "dapo": ("group", "token"), "bnpo": ("batch", "token")}[preset]
+        "dapo": ("group", "token"), "bnpo": ("batch", "token"), "gspo": ("group", "sequence"),
+        "cispo": ("group", "token")}[preset]
     for m in read(run / "metrics.jsonl"):
         assert all(math.isfinite(v) for v in m.values() if isinstance(v, float))
         if not extra.get("mask_truncated") or m["truncated_frac"] < 1:  # else every token is masked out
@@ -80,10 +83,37 @@ def test_eval_before_and_after(tmp_path):
     run = train(TrainConfig(output_dir=str(tmp_path / "run"), eval_every=2, eval_prompts=4, eval_samples=2, **SMALL))
     evals = read(run / "eval.jsonl")
     assert [e["step"] for e in evals] == [0, 2]
-    args = ["eval", "--task", "addition", "--prompts", "4", "--samples", "2", "--max-new-tokens", "12"]
+    assert {"sampled/pass@1", "sampled/pass@2", "sampled/maj@2"} <= set(evals[0])
+    args = ["eval", "--task", "addition", "--prompts", "4", "--samples", "3", "--max-new-tokens", "12"]
     base = CliRunner().invoke(app, args + ["--out", str(tmp_path / "evals")])
     after = CliRunner().invoke(app, args + ["--adapter", str(run / "adapter")])
     assert base.exit_code == 0 and after.exit_code == 0, base.output + after.output
     assert "base model smollm2-135m on addition: pass@1" in base.output
-    assert "adapter" in after.output and "pass@1" in after.output
+    assert "adapter" in after.output and "pass@1" in after.output and "sampled pass@k: k=1" in after.output
     assert len(read(run / "eval.jsonl")) == 3 and len(read(tmp_path / "evals" / "eval.jsonl")) == 1
+    (result,) = read(tmp_path / "evals" / "eval.jsonl")
+    passes = [result[f"sampled/pass@{k}"] for k in (1, 2, 3)]  # powers of two up to n, and n itself
+    assert passes == sorted(passes) and "sampled/pass@4" not in result and "sampled/maj@3" in result
+    from minigrpo.plot import plot_run
+
+    assert plot_run(run).exists()  # the held-out panel with the sampled pass@k and maj@k
+
+
+def test_pass_at_k_and_majority_against_enumeration():
+    """The unbiased estimator equals the share of all k-subsets of the n samples that hold a solved one."""
+    import itertools
+
+    from minigrpo.evaluate import sampled_metrics
+
+    solved = [[1, 0, 0, 1, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1], [0, 1, 0, 0, 0]]
+    answers = [["7", "3", "3", "7", None], [None] * 5, ["5"] * 5, ["1", "2", "1", "1", "9"]]
+    totals = [float(x) for row in solved for x in row]
+    got = sampled_metrics(totals, [a for row in answers for a in row], 5, solved_reward=1.0)
+    assert sorted(k for k in got if not k.endswith("stderr")) == [
+        "sampled/maj@5", "sampled/pass@1", "sampled/pass@2", "sampled/pass@4", "sampled/pass@5"]
+    for k in (1, 2, 4, 5):
+        per_prompt = [sum(any(row[i] for i in subset) for subset in itertools.combinations(range(5), k))
+                      / math.comb(5, k) for row in solved]
+        assert got[f"sampled/pass@{k}"] == pytest.approx(sum(per_prompt) / 4)
+    # majorities: "7" and "3" tie at two, the first to appear wins (solved); none; "5" (solved); "1" (not)
+    assert got["sampled/maj@5"] == pytest.approx(2 / 4)

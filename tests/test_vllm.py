@@ -62,6 +62,19 @@ def test_sync_is_real_and_the_engine_matches_the_trainer(setup):
     assert (synced - before).abs().mean() > 10 * TOL, "and no longer the old one"
 
 
+def test_the_engine_answers_as_the_base_model_for_the_in_memory_judge(setup):
+    """base=True: no adapter (the judge and the reference are the base), however far the adapter has moved."""
+    from minigrpo.generation import HFGenerator
+
+    policy, tokenizer, engine = setup
+    prompts = [tokenizer(render_prompt(tokenizer, p), add_special_tokens=False).input_ids
+               for p in ("Name a colour.", "What is 3 + 4?")]
+    greedy = Sampling(1, 10, temperature=0.0)
+    hf = HFGenerator(policy, tokenizer)
+    assert engine.generate(prompts, greedy, base=True).completion_ids == hf.generate(prompts, greedy, base=True).completion_ids
+    assert engine.generate(prompts, greedy).completion_ids == hf.generate(prompts, greedy).completion_ids
+
+
 def test_rollout_log_probs_match_the_trainer(setup):
     policy, tokenizer, engine = setup
     prompt = tokenizer(render_prompt(tokenizer, "Add 4 and 4."), add_special_tokens=False).input_ids

@@ -1,0 +1,289 @@
+"""`minigrpo graduate`: the same task, rewards and settings, continued on TRL's GRPOTrainer across GPUs.
+
+minigrpo is for one GPU. Past it, the established engine is TRL launched with `accelerate` (DeepSpeed ZeRO or
+FSDP, vLLM colocated or as a server). This writes a folder with `train_trl.py` (a short script building
+GRPOConfig and GRPOTrainer from the run's settings, its data and rewards loaded through minigrpo, so nothing is
+rewritten), `accelerate.yaml` for N GPUs, and a README with the launch commands and the mapping of every
+setting, including what has no equivalent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Callable
+
+from minigrpo.config import TrainConfig
+from minigrpo.model import LORA_TARGETS
+from minigrpo.tasks import get_task
+
+# our loss aggregation -> TRL's loss_type (which fixes TRL's aggregation); cispo's surrogate has its own
+LOSS_TYPES = {"sequence": "grpo", "token": "dapo", "constant": "dr_grpo"}
+BACKENDS = ("zero2", "zero3", "fsdp")
+
+
+def trl_settings(cfg: TrainConfig, gpus: int, full_finetune: bool = False, vllm_mode: str = "colocate") -> dict:
+    """GRPOConfig's arguments equivalent to `cfg` on `gpus` GPUs: every optimizer step sees the same
+    prompts_per_step x G completions, split across the GPUs."""
+    completions = cfg.prompts_per_step * cfg.num_generations
+    if completions % gpus:
+        raise ValueError(f"{cfg.prompts_per_step} prompts x G={cfg.num_generations} = {completions} completions per "
+                         f"step do not split evenly over {gpus} GPUs; choose --prompts-per-step so that they do")
+    cispo = cfg.surrogate == "cispo"
+    settings = dict(
+        max_steps=cfg.steps, seed=cfg.seed,
+        per_device_train_batch_size=completions // gpus, gradient_accumulation_steps=1,
+        num_generations=cfg.num_generations, max_completion_length=cfg.completion_tokens,
+        temperature=cfg.temperature, top_p=cfg.top_p,
+        learning_rate=cfg.learning_rate, lr_scheduler_type="constant_with_warmup", warmup_steps=cfg.warmup_steps,
+        weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm or 1e9,
+        beta=cfg.beta, num_iterations=cfg.num_iterations, epsilon=cfg.epsilon,
+        # TRL's cispo caps the weight at epsilon_high itself; ours at 1 + epsilon_high
+        epsilon_high=cfg.epsilon_high + 1 if cispo else cfg.epsilon_high,
+        loss_type="cispo" if cispo else LOSS_TYPES[cfg.loss_aggregation], scale_rewards=cfg.scale_rewards,
+        importance_sampling_level=cfg.importance_sampling, top_entropy_quantile=cfg.top_entropy_quantile,
+        mask_truncated_completions=cfg.mask_truncated, reward_weights=None,
+        gradient_checkpointing=cfg.gradient_checkpointing is not False,
+        use_vllm=True, vllm_mode=vllm_mode, vllm_importance_sampling_correction=cfg.tis_cap > 0,
+        vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=cfg.tis_cap or 3.0,
+        logging_steps=1, save_steps=cfg.save_every or cfg.steps, save_total_limit=cfg.keep,
+        report_to=list(cfg.report_to) or ["none"], log_completions=True, bf16=True,
+    )
+    return settings
+
+
+def trl_rewards(task) -> list[Callable]:
+    """The task's reward functions as TRL calls them: one float (or None) per completion. A dict's parts are
+    summed, and an exception (a completion the function could not score) counts 0, as in minigrpo."""
+    def for_trl(fn):
+        def reward(**kwargs):
+            values = fn(**kwargs)
+            return [0.0 if isinstance(v, Exception) else sum(v.values()) if isinstance(v, dict) else v
+                    for v in values]
+
+        reward.__name__ = getattr(fn, "__name__", type(fn).__name__)  # TRL logs rewards/<name>/mean
+        return reward
+
+    return [for_trl(fn) for fn in task.rewards]
+
+
+def accelerate_yaml(gpus: int, backend: str = "zero2") -> str:
+    """An accelerate config for one machine with `gpus` GPUs: DeepSpeed ZeRO-2 (or 3), or FSDP 2."""
+    if backend not in BACKENDS:
+        raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+    if backend == "fsdp":
+        engine = ("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n"
+                  "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_state_dict_type: FULL_STATE_DICT\n"
+                  "  fsdp_cpu_ram_efficient_loading: true\n  fsdp_reshard_after_forward: true\n"
+                  "  fsdp_offload_params: false\n")
+    else:
+        stage = backend[-1]
+        engine = (f"distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: {stage}\n"
+                  f"  zero3_init_flag: {'true' if stage == '3' else 'false'}\n"
+                  + ("  zero3_save_16bit_model: true\n" if stage == "3" else "")
+                  + "  offload_optimizer_device: none\n  offload_param_device: none\n"
+                  "  deepspeed_multinode_launcher: standard\n")
+    return (f"# {backend} on one machine with {gpus} GPUs (minigrpo graduate). For several machines, set\n"
+            f"# num_machines, machine_rank (0 on the first), main_process_ip and main_process_port, and\n"
+            f"# num_processes to the GPUs of all machines together; run the same launch on each machine.\n"
+            f"compute_environment: LOCAL_MACHINE\n{engine}mixed_precision: bf16\nnum_machines: 1\n"
+            f"machine_rank: 0\nnum_processes: {gpus}\nrdzv_backend: static\nsame_network: true\nuse_cpu: false\n")
+
+
+def graduate(cfg: TrainConfig, out: Path, gpus: int = 1, backend: str = "zero2", full_finetune: bool = False,
+             vllm_mode: str = "colocate", from_adapter: str | None = None) -> Path:
+    """Write train_trl.py, accelerate.yaml and README.md into `out` (a new or empty folder)."""
+    from minigrpo.run import usable_or_fail
+
+    if gpus < 1:
+        raise ValueError("--gpus must be at least 1")
+    if vllm_mode not in ("colocate", "server"):
+        raise ValueError(f"--vllm-mode must be colocate or server, not {vllm_mode!r}")
+    if from_adapter and not (Path(from_adapter) / "adapter_config.json").exists():
+        raise FileNotFoundError(f"--from-adapter {from_adapter}: no adapter_config.json there (a run's adapter "
+                                f"folder is runs/<run>/adapter)")
+    cfg = dataclasses.replace(cfg, task=_absolute(cfg.task), rewards=[_absolute(r) for r in cfg.rewards],
+                              tools=[_absolute(t) for t in cfg.tools])
+    task = get_task(cfg.task, cfg.rewards, cfg.seed, cfg.tools)  # a task or reward that cannot load stops here
+    settings = trl_settings(cfg, gpus, full_finetune, vllm_mode)
+    if task.tools or task.environment:  # our turns count model turns; TRL's iterations, the tool calls between
+        settings["max_tool_calling_iterations"] = cfg.max_turns - 1
+    in_4bit = bool(cfg.load_in_4bit) and not full_finetune and backend == "zero2"
+    folder = Path(out)
+    usable_or_fail(folder, "--out", may_hold_results=False)  # a new or empty folder: nothing of yours overwritten
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "train_trl.py").write_text(script(cfg, settings, in_4bit, full_finetune, from_adapter))
+    (folder / "accelerate.yaml").write_text(accelerate_yaml(gpus, backend))
+    (folder / "README.md").write_text(readme(cfg, settings, gpus, backend, in_4bit, full_finetune))
+    cfg.save(folder / "minigrpo_config.json")
+    return folder
+
+
+def _absolute(spec: str) -> str:
+    """A task, reward or tool given as a path (file.py, data.jsonl, file.py:function), made absolute so the
+    script finds it from any folder on this machine; names of built-ins and modules stay as they are."""
+    path, sep, function = spec.rpartition(":") if ":" in spec and not Path(spec).exists() else (spec, "", "")
+    return str(Path(path).resolve()) + sep + function if Path(path).exists() else spec
+
+
+def lora_settings(cfg: TrainConfig) -> dict:
+    return dict(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
+
+
+SCRIPT = '''"""GRPO on TRL's GRPOTrainer with the settings of a minigrpo run: {model} on {task}.
+
+Written by `minigrpo graduate` (README.md beside it maps each setting). The task's data and reward functions
+load through minigrpo, as in the run, so they are not copied here. Launch:
+
+    accelerate launch --config_file accelerate.yaml train_trl.py
+    python train_trl.py --cpu --max-steps 2          # a smoke test without a GPU (no vLLM, no 4-bit, fp32)
+"""
+
+import argparse
+
+from datasets import Dataset
+from peft import LoraConfig, PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+from trl import GRPOConfig, GRPOTrainer
+
+from minigrpo.graduate import trl_rewards
+from minigrpo.model import resolve_weights
+from minigrpo.tasks import get_task
+
+MODEL = resolve_weights({hub_id!r})  # the hub id (or, offline, minigrpo's local copy of the tiny model)
+TASK, EXTRA_REWARDS, EXTRA_TOOLS, SEED = {task!r}, {rewards!r}, {tools!r}, {seed!r}
+REWARD_WEIGHTS = {weights!r}  # None: the task's own
+LORA = {lora!r}  # None: full fine-tuning
+LOAD_IN_4BIT = {in_4bit!r}
+FROM_ADAPTER = {from_adapter!r}  # continue from a minigrpo adapter
+SETTINGS = {settings}
+
+
+def conversation(row: dict) -> dict:
+    """A data row with its prompt as chat messages, as minigrpo renders it."""
+    prompt = row["prompt"]
+    return dict(row, prompt=[{{"role": "user", "content": prompt}}] if isinstance(prompt, str) else prompt)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output-dir", default="trl-output")
+    parser.add_argument("--max-steps", type=int, default=SETTINGS["max_steps"])
+    parser.add_argument("--cpu", action="store_true", help="a smoke test without a GPU: fp32, no vLLM, no 4-bit")
+    args = parser.parse_args()
+
+    task = get_task(TASK, EXTRA_REWARDS, seed=SEED, extra_tools=EXTRA_TOOLS)
+    train = Dataset.from_list([conversation(row) for row in task.make_data("train", SEED)])
+    settings = dict(SETTINGS, max_steps=args.max_steps, reward_weights=REWARD_WEIGHTS or task.weights)
+    if args.cpu:
+        settings.update(use_vllm=False, bf16=False, use_cpu=True, gradient_checkpointing=False,
+                        vllm_importance_sampling_correction=False)
+    model_kwargs = {{"dtype": "float32" if args.cpu else "auto"}}
+    if LOAD_IN_4BIT and not args.cpu:
+        from accelerate import PartialState
+
+        model_kwargs.update(device_map={{"": PartialState().local_process_index}}, quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype="bfloat16",
+            bnb_4bit_use_double_quant=True))
+    model = AutoModelForCausalLM.from_pretrained(MODEL, **model_kwargs)
+    peft_config = LoraConfig(**LORA) if LORA and not FROM_ADAPTER else None
+    if FROM_ADAPTER:
+        model = PeftModel.from_pretrained(model, FROM_ADAPTER, is_trainable=True)
+    trainer = GRPOTrainer(
+        model=model, processing_class=AutoTokenizer.from_pretrained(MODEL), reward_funcs=trl_rewards(task),
+        args=GRPOConfig(output_dir=args.output_dir, **settings), train_dataset=train, peft_config=peft_config,
+        tools=task.tools or None, environment_factory=task.environment,
+    )
+    trainer.train()
+    trainer.save_model(args.output_dir)  # the adapter (or the model): minigrpo eval/sample/chat/export load it
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def script(cfg: TrainConfig, settings: dict, in_4bit: bool, full_finetune: bool, from_adapter: str | None) -> str:
+    shown = "dict(\n" + "".join(f"    {k}={v!r},\n" for k, v in settings.items()) + ")"
+    return SCRIPT.format(model=cfg.model, task=cfg.task, hub_id=cfg.hub_id, rewards=list(cfg.rewards),
+                         tools=list(cfg.tools), seed=cfg.seed, weights=cfg.reward_weights, in_4bit=in_4bit,
+                         lora=None if full_finetune else lora_settings(cfg), settings=shown,
+                         from_adapter=str(Path(from_adapter).resolve()) if from_adapter else None)
+
+
+def readme(cfg: TrainConfig, settings: dict, gpus: int, backend: str, in_4bit: bool, full_finetune: bool) -> str:
+    rows = [("model", cfg.model, f"`MODEL = {cfg.hub_id!r}`"),
+            ("task, rewards, tools", f"{cfg.task}; {', '.join(cfg.rewards) or 'its own rewards'}",
+             "loaded through minigrpo (`get_task`); rewards wrapped by `trl_rewards` (dict parts summed)"),
+            ("G, prompts per step", f"{cfg.num_generations}, {cfg.prompts_per_step}",
+             f"num_generations={settings['num_generations']}, per_device_train_batch_size="
+             f"{settings['per_device_train_batch_size']} x {gpus} GPUs"),
+            ("completion length", cfg.completion_tokens, f"max_completion_length={settings['max_completion_length']}"),
+            ("learning rate, warmup", f"{cfg.learning_rate:g}, {cfg.warmup_steps}",
+             "learning_rate, constant_with_warmup"),
+            ("beta, epsilon, epsilon_high", f"{cfg.beta:g}, {cfg.epsilon:g}, {cfg.epsilon_high:g}",
+             f"beta, epsilon, epsilon_high={settings['epsilon_high']:g}" + (" (TRL's cispo: the cap itself)"
+                                                                             if cfg.surrogate == "cispo" else "")),
+            ("loss", f"--loss {cfg.loss}: scale {cfg.scale_rewards}, {cfg.loss_aggregation} mean, "
+                     f"{cfg.importance_sampling} ratios, {cfg.surrogate}",
+             f"loss_type={settings['loss_type']!r}, scale_rewards={settings['scale_rewards']!r}, "
+             f"importance_sampling_level={settings['importance_sampling_level']!r}"),
+            ("num_iterations, top_entropy_quantile, mask_truncated",
+             f"{cfg.num_iterations}, {cfg.top_entropy_quantile:g}, {cfg.mask_truncated}", "same names"),
+            ("TIS cap (vLLM vs trainer)", cfg.tis_cap, "vllm_importance_sampling_mode='token_truncate', _clip_max"),
+            ("LoRA", "none: full fine-tuning" if full_finetune else f"r={cfg.lora_rank}, alpha={cfg.lora_alpha}, "
+             "all linear projections", "`LORA` (peft LoraConfig)"),
+            ("4-bit base", cfg.load_in_4bit, f"`LOAD_IN_4BIT = {in_4bit}` (bitsandbytes nf4; ZeRO-2 only)"),
+            ("generator", cfg.generator, f"use_vllm=True, vllm_mode={settings['vllm_mode']!r}"),
+            ("checkpoints, logging", f"every {cfg.save_every}, keep {cfg.keep}; {cfg.report_to or 'console'}",
+             "save_steps, save_total_limit; report_to, logging_steps=1")]
+    table = "\n".join(f"| {a} | {b} | {c} |" for a, b, c in rows)
+    return f"""# {cfg.model} on {cfg.task}, on TRL across {gpus} GPU(s)
+
+Written by `minigrpo graduate` from a minigrpo setup (`minigrpo_config.json`). `train_trl.py` builds TRL's
+GRPOConfig and GRPOTrainer with the equivalent settings; the task's data and reward functions load through
+minigrpo, so keep minigrpo installed (`pip install minigrpo trl accelerate deepspeed`, vLLM for generation).
+
+## Launch
+
+```bash
+accelerate launch --config_file accelerate.yaml train_trl.py            # {gpus} GPU(s), {backend}
+python train_trl.py --cpu --max-steps 2                                  # smoke test: no GPU, fp32, no vLLM
+```
+
+Several machines: in `accelerate.yaml` set `num_machines`, `machine_rank` (0 on the first),
+`main_process_ip`, `main_process_port`, and `num_processes` to all GPUs together; run the same command on
+each machine. With `vllm_mode='server'`, start the server first on its own GPU(s):
+`CUDA_VISIBLE_DEVICES=0 trl vllm-serve --model {cfg.hub_id}`, and launch training on the others.
+
+The adapter lands in `trl-output/` (`--output-dir`); minigrpo reads it back: `minigrpo eval --task {cfg.task}
+--adapter trl-output`, and `sample`, `chat`, `export` the same way.
+
+## What maps to what
+
+| setting | minigrpo | TRL |
+|---|---|---|
+{table}
+
+## What has no equivalent in TRL
+
+- `--filter-groups` (DAPO's dynamic sampling: groups without reward spread dropped and refilled) and
+  `--retire-solved` (the curriculum): no TRL option; groups without spread simply carry no gradient there.
+- The in-memory judge (`Judge` without an endpoint: the base model grading inside the trainer) cannot reach a
+  model inside TRL; give the judge an `endpoint` (e.g. `vllm serve` of the base model) or use a `RewardModel`.
+- An environment's `respond(message)` (games that answer as the user) is minigrpo's: TRL's environments answer
+  through tool calls only. `--max-turns` (model turns) maps to `max_tool_calling_iterations` = turns - 1.
+- Held-out evaluation (pass@1 before/after, pass@k): run `minigrpo eval --adapter trl-output` on the result.
+- The memory plan (`minigrpo plan`): TRL sizes nothing for you; ZeRO-3 or FSDP shard the model instead.
+
+## Metric names
+
+| minigrpo | TRL |
+|---|---|
+| reward/mean, reward/<fn>/mean | reward, rewards/<fn>/mean |
+| reward/std | reward_std |
+| frac_groups_reward_differs | 1 - frac_reward_zero_std |
+| kl, entropy, clip_frac | kl, entropy, clip_ratio/region_mean |
+| completion_len/mean, truncated_frac | completions/mean_length, completions/clipped_ratio |
+| time/step | train_runtime / steps |
+"""

@@ -1,0 +1,101 @@
+"""`minigrpo graduate`: the folder it writes, its script run for real under TRL on CPU, the adapter read back
+by minigrpo; and the loss presets mapped to TRL's settings."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from minigrpo import TrainConfig
+from minigrpo.cli import app
+from minigrpo.graduate import accelerate_yaml, trl_settings
+
+pytest.importorskip("trl")
+
+REWARD = '''import json, os
+
+def counted(prompts, completions, **kwargs):
+    """1.0 for a reply under 40 characters; records who called it and with what."""
+    with open(os.environ["REWARD_LOG"], "a") as f:
+        f.write(json.dumps({"n": len(completions), "kwargs": sorted(kwargs)}) + "\\n")
+    text = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [float(len(t) < 40) for t in text]
+'''
+
+
+@pytest.mark.slow
+def test_the_graduated_script_trains_under_trl_and_minigrpo_reads_the_adapter(tmp_path):
+    (tmp_path / "my_reward.py").write_text(REWARD)
+    out = tmp_path / "trl"
+    result = CliRunner().invoke(app, ["graduate", "--out", str(out), "--gpus", "1", "--", "--task", "addition",
+                                      "--reward", str(tmp_path / "my_reward.py") + ":counted", "-G", "2",
+                                      "--prompts-per-step", "2", "--max-new-tokens", "12", "--steps", "30"])
+    assert result.exit_code == 0, result.output
+    assert {p.name for p in out.iterdir()} == {"train_trl.py", "accelerate.yaml", "README.md", "minigrpo_config.json"}
+    script = (out / "train_trl.py").read_text()
+    assert "loss_type='dapo'" in script and "num_generations=2" in script and "per_device_train_batch_size=4" in script
+    assert "| loss |" in (out / "README.md").read_text()
+
+    env = dict(os.environ, REWARD_LOG=str(tmp_path / "calls.jsonl"), TRL_EXPERIMENTAL_SILENCE="1")
+    run = subprocess.run([sys.executable, "train_trl.py", "--cpu", "--max-steps", "2", "--output-dir",
+                          str(tmp_path / "trl-out")], cwd=out, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert len(calls) >= 2 and all(c["n"] == 4 for c in calls)
+    assert "trainer_state" in calls[0]["kwargs"]  # called by TRL's GRPOTrainer, which passes its state
+    assert (tmp_path / "trl-out" / "adapter_model.safetensors").exists()
+
+    evaluated = CliRunner().invoke(app, ["eval", "--task", "addition", "--adapter", str(tmp_path / "trl-out"),
+                                         "--prompts", "4", "--samples", "1", "--max-new-tokens", "12",
+                                         "--out", str(tmp_path / "evals")])
+    assert evaluated.exit_code == 0 and "adapter" in evaluated.output and "pass@1" in evaluated.output, evaluated.output
+
+
+def said(result) -> str:
+    return " ".join(result.output.split())  # the console wraps long lines
+
+
+def test_graduate_refuses_what_it_cannot_write(tmp_path):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    runner = CliRunner()
+    result = runner.invoke(app, ["graduate", "--out", str(tmp_path / "taken"), "--", "--task", "addition"])
+    assert result.exit_code == 1 and "not empty" in said(result) and (tmp_path / "taken" / "notes.txt").read_text() == "mine"
+    result = runner.invoke(app, ["graduate", "--out", str(tmp_path / "x"), "--gpus", "3", "--", "--task", "addition"])
+    assert result.exit_code == 1 and "do not split evenly over 3 GPUs" in said(result)
+    result = runner.invoke(app, ["graduate", str(tmp_path), "--out", str(tmp_path / "y")])
+    assert result.exit_code == 1 and "is not a run folder" in said(result)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+@pytest.mark.parametrize("loss, expected", [
+    ("grpo", dict(loss_type="grpo", scale_rewards="group", importance_sampling_level="token")),
+    ("dr_grpo", dict(loss_type="dr_grpo", scale_rewards="none")),
+    ("dapo", dict(loss_type="dapo", scale_rewards="group")),
+    ("bnpo", dict(loss_type="dapo", scale_rewards="batch")),  # token mean over the whole step, as ours
+    ("gspo", dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4)),
+    ("cispo", dict(loss_type="cispo", epsilon_high=5.0)),  # TRL's cap is epsilon_high itself
+])
+def test_each_loss_preset_maps_to_trl(loss, expected):
+    from trl import GRPOConfig
+
+    settings = trl_settings(TrainConfig(loss=loss, num_generations=4, prompts_per_step=2), gpus=2)
+    assert {k: settings[k] for k in expected} == expected and settings["per_device_train_batch_size"] == 4
+    # TRL takes every setting as written
+    config = GRPOConfig(output_dir="unused", use_cpu=True, **dict(settings, bf16=False, use_vllm=False))
+    assert (config.loss_type, config.num_generations, config.epsilon_high) == (
+        settings["loss_type"], 4, settings["epsilon_high"])
+
+
+def test_the_accelerate_config_names_the_gpus_and_the_backend():
+    import yaml
+
+    zero2 = yaml.safe_load(accelerate_yaml(4))
+    assert zero2["num_processes"] == 4 and zero2["deepspeed_config"]["zero_stage"] == 2
+    assert yaml.safe_load(accelerate_yaml(8, "zero3"))["deepspeed_config"]["zero_stage"] == 3
+    assert yaml.safe_load(accelerate_yaml(2, "fsdp"))["fsdp_config"]["fsdp_version"] == 2
+    with pytest.raises(ValueError, match="backend"):
+        accelerate_yaml(2, "ddp")
