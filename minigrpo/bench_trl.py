@@ -1,5 +1,6 @@
 """Side by side with TRL's GRPOTrainer: the same model, adapter, group size, lengths, reward and optimiser,
-each trainer in a fresh process, taking turns (`minigrpo bench trl`; needs `pip install trl`)."""
+each trainer in a fresh process, taking turns (`minigrpo bench trl`; needs `pip install trl`). TRL runs the
+script `minigrpo graduate` writes, so the comparison and the way to more GPUs are one piece of code."""
 
 from __future__ import annotations
 
@@ -32,20 +33,14 @@ def run_trl(steps: int) -> list[dict]:
 
 
 def _trl_child(steps: int, out: str) -> None:
+    """TRL's side: the script `minigrpo graduate` writes for TRL_SETTING, its trainer timed step by step."""
+    import importlib.util
     import resource
 
-    from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import TrainerCallback
 
-    from minigrpo.model import LORA_TARGETS, load_tokenizer, resolve_weights
-    from rewards.addition import addition_reward, make_data
+    from minigrpo.graduate import graduate
 
-    s = TRL_SETTING
-    weights = resolve_weights(TrainConfig(model=s["model"]).hub_id)
-    rows = [{"prompt": [{"role": "user", "content": r["prompt"]}], "a": r["a"], "b": r["b"]}
-            for r in make_data("train", 0)]
     records = []
 
     class Clock(TrainerCallback):
@@ -56,20 +51,13 @@ def _trl_child(steps: int, out: str) -> None:
             records.append({"step": state.global_step, "time/step": time.perf_counter() - self.start,
                             "mem/peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20})
 
-    tmp = tempfile.mkdtemp(prefix="minigrpo-trl-out-")
-    batch = s["num_generations"] * s["prompts_per_step"]
-    config = GRPOConfig(
-        output_dir=tmp, max_steps=steps, per_device_train_batch_size=batch, num_generations=s["num_generations"],
-        max_completion_length=s["max_new_tokens"], learning_rate=s["learning_rate"], beta=s["beta"],
-        loss_type=s["loss"], temperature=s["temperature"], gradient_checkpointing=s["gradient_checkpointing"],
-        logging_steps=1, save_strategy="no", report_to=[], bf16=False, fp16=False, use_cpu=True, seed=0,
-    )
-    trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(weights), reward_funcs=addition_reward, args=config,
-        train_dataset=Dataset.from_list(rows), processing_class=load_tokenizer(weights), callbacks=[Clock()],
-        peft_config=LoraConfig(r=s["lora_rank"], lora_alpha=s["lora_alpha"], target_modules=LORA_TARGETS,
-                               task_type="CAUSAL_LM"),
-    )
+    tmp = Path(tempfile.mkdtemp(prefix="minigrpo-trl-"))
+    folder = graduate(TrainConfig(**TRL_SETTING, steps=steps, save_every=0), tmp / "graduated")
+    spec = importlib.util.spec_from_file_location("train_trl", folder / "train_trl.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    trainer = script.build(str(tmp / "out"), steps, cpu=True)
+    trainer.add_callback(Clock())
     trainer.train()
     Path(out).write_text(json.dumps(records))
 

@@ -37,7 +37,8 @@ def trl_settings(cfg: TrainConfig, gpus: int, full_finetune: bool = False, vllm_
         temperature=cfg.temperature, top_p=cfg.top_p,
         learning_rate=cfg.learning_rate, lr_scheduler_type="constant_with_warmup", warmup_steps=cfg.warmup_steps,
         weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm or 1e9,
-        beta=cfg.beta, num_iterations=cfg.num_iterations, epsilon=cfg.epsilon,
+        beta=cfg.beta, use_bias_correction_kl=False,  # our KL term is not weighted by the importance ratio
+        num_iterations=cfg.num_iterations, epsilon=cfg.epsilon,
         # TRL's cispo caps the weight at epsilon_high itself; ours at 1 + epsilon_high
         epsilon_high=cfg.epsilon_high + 1 if cispo else cfg.epsilon_high,
         loss_type="cispo" if cispo else LOSS_TYPES[cfg.loss_aggregation], scale_rewards=cfg.scale_rewards,
@@ -165,35 +166,37 @@ def conversation(row: dict) -> dict:
     return dict(row, prompt=[{{"role": "user", "content": prompt}}] if isinstance(prompt, str) else prompt)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output-dir", default="trl-output")
-    parser.add_argument("--max-steps", type=int, default=SETTINGS["max_steps"])
-    parser.add_argument("--cpu", action="store_true", help="a smoke test without a GPU: fp32, no vLLM, no 4-bit")
-    args = parser.parse_args()
-
+def build(output_dir: str, max_steps: int, cpu: bool = False) -> GRPOTrainer:
     task = get_task(TASK, EXTRA_REWARDS, seed=SEED, extra_tools=EXTRA_TOOLS)
     train = Dataset.from_list([conversation(row) for row in task.make_data("train", SEED)])
-    settings = dict(SETTINGS, max_steps=args.max_steps, reward_weights=REWARD_WEIGHTS or task.weights)
-    if args.cpu:
-        settings.update(use_vllm=False, bf16=False, use_cpu=True, gradient_checkpointing=False,
-                        vllm_importance_sampling_correction=False)
-    model_kwargs = {{"dtype": "float32" if args.cpu else "auto"}}
-    if LOAD_IN_4BIT and not args.cpu:
+    settings = dict(SETTINGS, max_steps=max_steps, reward_weights=REWARD_WEIGHTS or task.weights)
+    if cpu:
+        settings.update(use_vllm=False, bf16=False, use_cpu=True, vllm_importance_sampling_correction=False)
+    model_kwargs = {{"dtype": "float32" if cpu else "auto"}}
+    if LOAD_IN_4BIT and not cpu:
         from accelerate import PartialState
 
         model_kwargs.update(device_map={{"": PartialState().local_process_index}}, quantization_config=BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype="bfloat16",
             bnb_4bit_use_double_quant=True))
     model = AutoModelForCausalLM.from_pretrained(MODEL, **model_kwargs)
-    peft_config = LoraConfig(**LORA) if LORA and not FROM_ADAPTER else None
     if FROM_ADAPTER:
         model = PeftModel.from_pretrained(model, FROM_ADAPTER, is_trainable=True)
-    trainer = GRPOTrainer(
+    return GRPOTrainer(
         model=model, processing_class=AutoTokenizer.from_pretrained(MODEL), reward_funcs=trl_rewards(task),
-        args=GRPOConfig(output_dir=args.output_dir, **settings), train_dataset=train, peft_config=peft_config,
+        args=GRPOConfig(output_dir=output_dir, **settings), train_dataset=train,
+        peft_config=LoraConfig(**LORA) if LORA and not FROM_ADAPTER else None,
         tools=task.tools or None, environment_factory=task.environment,
     )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output-dir", default="trl-output")
+    parser.add_argument("--max-steps", type=int, default=SETTINGS["max_steps"])
+    parser.add_argument("--cpu", action="store_true", help="a smoke test without a GPU: fp32, no vLLM, no 4-bit")
+    args = parser.parse_args()
+    trainer = build(args.output_dir, args.max_steps, args.cpu)
     trainer.train()
     trainer.save_model(args.output_dir)  # the adapter (or the model): minigrpo eval/sample/chat/export load it
 

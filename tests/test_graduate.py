@@ -99,3 +99,71 @@ def test_the_accelerate_config_names_the_gpus_and_the_backend():
     assert yaml.safe_load(accelerate_yaml(2, "fsdp"))["fsdp_config"]["fsdp_version"] == 2
     with pytest.raises(ValueError, match="backend"):
         accelerate_yaml(2, "ddp")
+
+
+@pytest.fixture(scope="module")
+def trl_trainer(tmp_path_factory):
+    """TRL's GRPOTrainer, built by a graduated script for the tiny model (on CPU, no step taken)."""
+    import importlib.util
+
+    from minigrpo.graduate import graduate
+
+    folder = graduate(TrainConfig(num_generations=2, prompts_per_step=2, max_new_tokens=8),
+                      tmp_path_factory.mktemp("graduated") / "trl")
+    spec = importlib.util.spec_from_file_location("train_trl", folder / "train_trl.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    trainer = script.build(str(folder / "out"), 1, cpu=True)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+@pytest.mark.parametrize("loss, beta, quantile", [("grpo", 0.0, 1.0), ("dr_grpo", 0.04, 1.0), ("dapo", 0.0, 0.5),
+                                                  ("bnpo", 0.04, 1.0), ("gspo", 0.0, 1.0), ("cispo", 0.0, 0.5)])
+def test_each_loss_preset_gives_trls_loss_and_gradient(trl_trainer, loss, beta, quantile):
+    """TRL's own _compute_loss (the installed version) on the same log-probs, advantages and masks, with
+    the settings `graduate` maps the preset to: the same loss and the same gradient as ours."""
+    import torch
+
+    from minigrpo.loss import advantages, policy_loss
+
+    cfg = TrainConfig(loss=loss, beta=beta, top_entropy_quantile=quantile, epsilon_high=None if loss in ("gspo", "cispo")
+                      else 0.28, num_generations=2, prompts_per_step=2, max_new_tokens=6)
+    settings = trl_settings(cfg, gpus=1)
+    trainer = trl_trainer
+    for name, value in dict(loss_type=settings["loss_type"], importance_sampling_level=settings["importance_sampling_level"],
+                            epsilon_low=settings["epsilon"], epsilon_high=settings["epsilon_high"], beta=beta,
+                            top_entropy_quantile=quantile, max_completion_length=6).items():
+        setattr(trainer, name, value)
+    trainer.args.use_bias_correction_kl = settings["use_bias_correction_kl"]
+    g = torch.Generator().manual_seed(3)
+    B, T = 4, 6
+    logps = (-torch.rand(B, T, generator=g) * 2).requires_grad_(True)
+    old = logps.detach() + 0.2 * torch.randn(B, T, generator=g)
+    if loss == "gspo":  # ratios within GSPO's narrow clip range, so some completions are not clipped
+        old = logps.detach() + 2e-4 * torch.randn(B, T, generator=g)
+    ref = logps.detach() + 0.3 * torch.randn(B, T, generator=g)
+    entropy = torch.rand(B, T, generator=g) * 3
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, 4:] = 0
+    mask[3, 2:] = 0
+    adv = advantages(torch.tensor([1.0, 0.0, 0.3, 0.9]), 2, cfg.scale_rewards)
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (logps, entropy, None)
+    inputs = {"prompt_ids": torch.ones(B, 3, dtype=torch.long), "prompt_mask": torch.ones(B, 3, dtype=torch.long),
+              "completion_ids": torch.ones(B, T, dtype=torch.long), "completion_mask": mask, "advantages": adv,
+              "old_per_token_logps": old, "ref_per_token_logps": ref, "num_items_in_batch": mask.sum()}
+    theirs = trainer._compute_loss(trainer.model, inputs)
+    (grad_theirs,) = torch.autograd.grad(theirs, logps)
+    selected = None
+    if quantile < 1:
+        from minigrpo.loss import high_entropy
+
+        selected = high_entropy(entropy, mask, quantile)
+    ours, _ = policy_loss(logps, old, ref, adv, mask, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=beta,
+                          aggregation=cfg.loss_aggregation, max_tokens=6, importance_sampling=cfg.importance_sampling,
+                          surrogate=cfg.surrogate, selected=selected)
+    (grad_ours,) = torch.autograd.grad(ours, logps)
+    assert torch.allclose(ours, theirs, atol=1e-6), (ours.item(), theirs.item())
+    assert torch.allclose(grad_ours, grad_theirs, atol=1e-6)
+    assert grad_ours.abs().sum() > 0
