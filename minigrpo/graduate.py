@@ -113,7 +113,7 @@ def graduate(cfg: TrainConfig, out: Path, gpus: int = 1, backend: str = "zero2",
     folder = Path(out)
     usable_or_fail(folder, "--out", may_hold_results=False)  # a new or empty folder: nothing of yours overwritten
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "train_trl.py").write_text(script(cfg, settings, in_4bit, full_finetune, from_adapter))
+    (folder / "train_trl.py").write_text(script(cfg, settings, in_4bit, full_finetune, from_adapter, gpus))
     (folder / "accelerate.yaml").write_text(accelerate_yaml(gpus, backend))
     (folder / "README.md").write_text(readme(cfg, settings, gpus, backend, in_4bit, full_finetune))
     cfg.save(folder / "minigrpo_config.json")
@@ -156,6 +156,7 @@ TASK, EXTRA_REWARDS, EXTRA_TOOLS, SEED = {task!r}, {rewards!r}, {tools!r}, {seed
 REWARD_WEIGHTS = {weights!r}  # None: the task's own
 LORA = {lora!r}  # None: full fine-tuning
 LOAD_IN_4BIT = {in_4bit!r}
+GPUS = {gpus!r}  # accelerate.yaml's processes; each takes per_device_train_batch_size completions a step
 FROM_ADAPTER = {from_adapter!r}  # continue from a minigrpo adapter
 SETTINGS = {settings}
 
@@ -170,8 +171,9 @@ def build(output_dir: str, max_steps: int, cpu: bool = False) -> GRPOTrainer:
     task = get_task(TASK, EXTRA_REWARDS, seed=SEED, extra_tools=EXTRA_TOOLS)
     train = Dataset.from_list([conversation(row) for row in task.make_data("train", SEED)])
     settings = dict(SETTINGS, max_steps=max_steps, reward_weights=REWARD_WEIGHTS or task.weights)
-    if cpu:
-        settings.update(use_vllm=False, bf16=False, use_cpu=True, vllm_importance_sampling_correction=False)
+    if cpu:  # one process does what the GPUs would together
+        settings.update(use_vllm=False, bf16=False, use_cpu=True, vllm_importance_sampling_correction=False,
+                        per_device_train_batch_size=SETTINGS["per_device_train_batch_size"] * GPUS)
     model_kwargs = {{"dtype": "float32" if cpu else "auto"}}
     if LOAD_IN_4BIT and not cpu:
         from accelerate import PartialState
@@ -206,10 +208,11 @@ if __name__ == "__main__":
 '''
 
 
-def script(cfg: TrainConfig, settings: dict, in_4bit: bool, full_finetune: bool, from_adapter: str | None) -> str:
+def script(cfg: TrainConfig, settings: dict, in_4bit: bool, full_finetune: bool, from_adapter: str | None,
+           gpus: int) -> str:
     shown = "dict(\n" + "".join(f"    {k}={v!r},\n" for k, v in settings.items()) + ")"
     return SCRIPT.format(model=cfg.model, task=cfg.task, hub_id=cfg.hub_id, rewards=list(cfg.rewards),
-                         tools=list(cfg.tools), seed=cfg.seed, weights=cfg.reward_weights, in_4bit=in_4bit,
+                         tools=list(cfg.tools), seed=cfg.seed, weights=cfg.reward_weights, in_4bit=in_4bit, gpus=gpus,
                          lora=None if full_finetune else lora_settings(cfg), settings=shown,
                          from_adapter=str(Path(from_adapter).resolve()) if from_adapter else None)
 

@@ -2,10 +2,10 @@
 
 A multi-turn game with feedback, in the environment contract (`minigrpo/episodes.py`): the environment
 holds the secret and answers each of the model's turns as the user (`respond`); the episode ends at the
-right number or at --max-turns. The reward reads the transcript: 1.0 when the model's last turn names the
-secret; short of that, up to 0.5 for how close its last guess came, so a model that follows the hints earns
-more than one that guesses blindly, and a tiny model that only learns to answer with a number still sees a
-gradient (four turns of halving find any secret from 1 to 9).
+right number or at --max-turns. A turn's guess is its first number. The reward reads the transcript: 1.0
+when the model's last turn guesses the secret; short of that, up to 0.5 for how close its last guess came,
+so a model that follows the hints earns more than one that guesses blindly, and a tiny model that only
+learns to answer with a number still sees a gradient (four turns of halving find any secret from 1 to 9).
 
 >>> guess_reward([[{"role": "assistant", "content": "5"}, {"role": "user", "content": "Higher."},
 ...                {"role": "assistant", "content": "Is it 7?"}]], secret=[7])
@@ -17,6 +17,12 @@ gradient (four turns of halving find any secret from 1 to 9).
 >>> game = Hints(); game.reset(secret=7)
 >>> game.respond("My guess is 4."), game.respond("9"), game.respond("no idea"), game.respond("7")
 ('Higher.', 'Lower.', 'Say one number from 1 to 9.', None)
+
+A turn's guess is its first number, so listing several is no way round the hints (a model under RL soon
+tries that where the last number counts):
+
+>>> game.respond("5, 6, 7"), guess_reward([[{"role": "assistant", "content": "5, 6, 7"}]], secret=[7])
+('Higher.', [0.375])
 """
 
 from __future__ import annotations
@@ -40,22 +46,22 @@ class Hints:
         found = NUMBER.findall(message)
         if not found:
             return "Say one number from 1 to 9."
-        guess = int(found[-1])
+        guess = int(found[0])
         if guess == self.secret:
             return None  # found: the episode ends
         return "Higher." if guess < self.secret else "Lower."
 
 
 def last_guess(episode) -> str | None:
-    """The answer a majority vote counts: the last number of the model's last turn."""
+    """The guess of the model's last turn: its first number."""
     turns = [m for m in episode if m["role"] == "assistant"] if isinstance(episode, list) else []
     found = NUMBER.findall(text_of(turns[-1:]) if turns else text_of(episode))
-    return str(int(found[-1])) if found else None
+    return str(int(found[0])) if found else None
 
 
 def guess_reward(completions: list, secret: list[int], **kwargs) -> list[float]:
-    """1.0 when the last number of the model's last turn is the secret; else 0.5 x (1 - distance / 8) for a
-    last guess from 1 to 9, and 0.0 without one."""
+    """1.0 when the model's last turn guesses the secret; else 0.5 x (1 - distance / 8) for a last guess from
+    1 to 9, and 0.0 without one."""
     scores = []
     for episode, x in zip(completions, secret):
         guess = int(last_guess(episode) or 0)

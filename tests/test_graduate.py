@@ -52,6 +52,29 @@ def test_the_graduated_script_trains_under_trl_and_minigrpo_reads_the_adapter(tm
                                          "--prompts", "4", "--samples", "1", "--max-new-tokens", "12",
                                          "--out", str(tmp_path / "evals")])
     assert evaluated.exit_code == 0 and "adapter" in evaluated.output and "pass@1" in evaluated.output, evaluated.output
+    sampled = CliRunner().invoke(app, ["sample", "What is 2 + 2?", "--adapter", str(tmp_path / "trl-out"),
+                                       "--max-new-tokens", "8"])
+    assert sampled.exit_code == 0 and "What is 2 + 2?" in sampled.output, sampled.output
+
+
+@pytest.mark.slow
+def test_graduate_from_a_run_continues_its_adapter_under_trl(tmp_path):
+    from minigrpo import train
+
+    run = train(TrainConfig(steps=1, num_generations=2, prompts_per_step=2, max_new_tokens=8, sample_every=0,
+                            eval_before_after=False, output_dir=str(tmp_path / "run")))
+    out = tmp_path / "trl"
+    result = CliRunner().invoke(app, ["graduate", str(run), "--gpus", "4", "--out", str(out), "--from-adapter",
+                                      str(run / "adapter")])
+    assert result.exit_code == 0, result.output
+    script = (out / "train_trl.py").read_text()
+    assert "per_device_train_batch_size=1" in script and str((run / "adapter").resolve()) in script
+    assert "num_processes: 4" in (out / "accelerate.yaml").read_text()
+    run_trl = subprocess.run([sys.executable, "train_trl.py", "--cpu", "--max-steps", "1", "--output-dir",
+                              str(tmp_path / "trl-out")], cwd=out, capture_output=True, text=True, timeout=900,
+                             env=dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1"))
+    assert run_trl.returncode == 0, run_trl.stdout[-3000:] + run_trl.stderr[-3000:]
+    assert (tmp_path / "trl-out" / "adapter_model.safetensors").exists()
 
 
 def said(result) -> str:
