@@ -41,6 +41,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
+from minigrpo.scoring import text_of
+
 SYSTEM = "You are a strict, fair grader. You grade replies against a rubric and answer in the format asked."
 SCORE = re.compile(r"^\s*\**score\**\s*:\s*(\d+)\s*$", re.IGNORECASE | re.MULTILINE)
 RANK = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$", re.MULTILINE)
@@ -339,7 +341,8 @@ def base_generate(generator, tokenizer) -> Callable:
 
 
 def _text(x) -> str:
-    return x[-1]["content"] if isinstance(x, list) and x and isinstance(x[-1], dict) else str(x)
+    """A prompt or completion as text: chat messages give their last message (scoring's text_of)."""
+    return str(text_of(x)) if x else ""
 
 
 def _runs(items: list[int], key: Callable) -> list[list[int]]:
