@@ -21,7 +21,7 @@ from minigrpo.tasks import Task
 
 
 def check_task(t: Task, rows: list[dict], console: Console, model: str | None = None, samples: int | None = None,
-               max_new_tokens: int | None = None, seed: int = 0) -> None:
+               max_new_tokens: int | None = None, seed: int = 0, max_turns: int = 4) -> None:
     """`minigrpo check-reward`: the worked examples, stand-in completions, and with a model, G completions
     (or episodes) sampled for each row, with the share of groups GRPO could learn from."""
     from rich.markup import escape
@@ -42,7 +42,8 @@ def check_task(t: Task, rows: list[dict], console: Console, model: str | None = 
     preset = TrainConfig(model=model)
     samples = samples or preset.num_generations
     completions, columns = sample_completions(t, rows, model=model, n=samples, temperature=1.0, seed=seed,
-                                              max_new_tokens=max_new_tokens or preset.max_new_tokens)
+                                              max_new_tokens=max_new_tokens or preset.max_new_tokens,
+                                              max_turns=max_turns)
     kind = "episodes" if t.tools or t.environment else "completions"
     print_report(check_rewards(t, columns, completions), f"{t.name}: {len(completions)} {kind} sampled from {model}",
                  console)

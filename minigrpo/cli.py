@@ -184,6 +184,7 @@ def eval_command(
     prompts: int = typer.Option(64, help="Held-out prompts."),
     samples: int = typer.Option(4, help="Samples per prompt for the mean reward."),
     max_new_tokens: int = typer.Option(None, help="Completion length limit [default: the run's, else the preset's]."),
+    max_turns: int = typer.Option(None, help="Model turns per episode [default: the run's, else 4]."),
     out: str = typer.Option(None, help="Folder for eval.jsonl [default: the adapter's run folder]."),
     seed: int = typer.Option(None, help="Seed of the held-out split [default: the run's, else 0]."),
     allow_unconfined_code: bool = typer.Option(False, help=UNCONFINED_HELP),
@@ -205,8 +206,8 @@ def eval_command(
     adapter = adapter and adapter_folder(adapter)
     folder = results_folder(Path(out), "--out") if out else adapter.parent if adapter else None
     # the run's own seed by default: it decides the held-out split, which must be the one training never saw
-    policy, tokenizer, cfg = load_trained(adapter, model, max_new_tokens=max_new_tokens, eval_prompts=prompts,
-                                          eval_samples=samples, seed=seed)
+    policy, tokenizer, cfg = load_trained(adapter, model, max_new_tokens=max_new_tokens, max_turns=max_turns,
+                                          eval_prompts=prompts, eval_samples=samples, seed=seed)
     seed_everything(cfg.seed)
     settle_budget(cfg, t)
     generator = HFGenerator(policy, tokenizer)
@@ -258,6 +259,7 @@ def check_reward(
     prompts: int = typer.Option(4, help="Prompts to sample completions for."),
     samples: int = typer.Option(None, help="Completions per prompt [default: the model preset's G]."),
     max_new_tokens: int = typer.Option(None, help="Completion length limit [default: from the model preset]."),
+    max_turns: int = typer.Option(4, help="Model turns per episode, with tools."),
     no_model: bool = typer.Option(False, "--no-model", help="Only the worked examples and the data; load no model."),
     seed: int = typer.Option(0),
     allow_unconfined_code: bool = typer.Option(False, help=UNCONFINED_HELP),
@@ -270,7 +272,7 @@ def check_reward(
     t = get_task(task, reward, extra_tools=tool)
     check_sandbox(t, allow_unconfined_code, console.print)
     check_task(t, t.make_data("train", seed)[:prompts], console, None if no_model else model, samples,
-               max_new_tokens, seed)
+               max_new_tokens, seed, max_turns)
 
 
 @app.command()

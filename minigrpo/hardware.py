@@ -97,9 +97,9 @@ def compute_dtype(gpu: Gpu | None, requested: str = "auto", cpu_bf16: bool | Non
     (it counts emulation), where vLLM refuses bf16 and torch emulates it slowly. Below 8.0, fp16 with a
     gradient scaler and a check of the first rollout's numbers (some models overflow in fp16; the run then
     falls back to fp32). On a cpu (`gpu` None), fp32. Where the cpu has bf16 instructions (`cpu_bf16`; None
-    reads this machine's flags) a bf16 matmul is about 2x faster and a step 0.6-0.7x as long; whether the
-    quick start learns as well in bf16 is not settled (two bf16 runs ended below two fp32 runs, a third fp32
-    run among them; README, "Speed on a CPU"). Until more seeds decide, bf16 on a cpu is an opt-in.
+    reads this machine's flags) a bf16 matmul is about 2x faster and a step 0.6-0.7x as long, but the quick
+    start learns about three quarters as much in bf16 (five paired seeds; README, "Speed on a CPU"): each
+    LoRA layer's small addition is rounded away when its output is cast to bf16. So bf16 on a cpu is an opt-in.
 
     >>> compute_dtype(CARDS["t4"])[0], compute_dtype(CARDS["4090"])[0]
     (torch.float16, torch.bfloat16)
@@ -116,7 +116,7 @@ def compute_dtype(gpu: Gpu | None, requested: str = "auto", cpu_bf16: bool | Non
     if gpu is None:
         if cpu_has_bf16() if cpu_bf16 is None else cpu_bf16:
             return torch.float32, ("cpu: --dtype bfloat16 runs faster on this one (it has bf16 instructions); "
-                                   "fp32 until it is shown to learn as well")
+                                   "fp32, since bf16 rounds the adapter's small additions away and learns less")
         return torch.float32, "cpu without bf16 instructions: bfloat16 would be emulated, 2-5x slower"
     if gpu.capability >= (8, 0):
         return torch.bfloat16, f"{gpu.sm} has bfloat16"

@@ -14,7 +14,12 @@ def tiny_model_path() -> str:
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Say which sandbox layers the sandbox tests ran with, and as whom (shown even with -q)."""
+    """Say which sandbox layers the sandbox tests ran with, and as whom, and which learning proofs were left
+    out (shown even with -q)."""
+    slow = [r for r in terminalreporter.stats.get("deselected", []) if r.get_closest_marker("slow")]
+    if slow:
+        terminalreporter.write_line(f"{len(slow)} learning proofs left out (minutes each): "
+                                    "python -m pytest -m slow runs them")
     if "minigrpo.sandbox" in __import__("sys").modules:
         from minigrpo.sandbox import describe, layers
 

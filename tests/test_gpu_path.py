@@ -32,7 +32,7 @@ def test_dtype_is_chosen_from_the_capability(monkeypatch):
     for name in ("a100-40", "l4", "3090", "4090", "h100"):
         assert compute_dtype(CARDS[name])[0] == torch.bfloat16, name
     assert compute_dtype(None, cpu_bf16=False)[0] == torch.float32  # emulated bf16 measured 2-5x slower
-    fp32, why = compute_dtype(None, cpu_bf16=True)  # faster in bf16; fp32 until bf16 is shown to learn as well
+    fp32, why = compute_dtype(None, cpu_bf16=True)  # faster in bf16, but it learns less
     assert fp32 == torch.float32 and "--dtype bfloat16" in why
     assert compute_dtype(None, "bfloat16", cpu_bf16=True)[0] == torch.bfloat16
     with pytest.raises(ValueError, match="has no bfloat16"):

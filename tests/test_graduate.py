@@ -26,7 +26,6 @@ def counted(prompts, completions, **kwargs):
 '''
 
 
-@pytest.mark.slow
 def test_the_graduated_script_trains_under_trl_and_minigrpo_reads_the_adapter(tmp_path):
     (tmp_path / "my_reward.py").write_text(REWARD)
     out = tmp_path / "trl"
@@ -57,7 +56,6 @@ def test_the_graduated_script_trains_under_trl_and_minigrpo_reads_the_adapter(tm
     assert sampled.exit_code == 0 and "What is 2 + 2?" in sampled.output, sampled.output
 
 
-@pytest.mark.slow
 def test_graduate_from_a_run_continues_its_adapter_under_trl(tmp_path):
     from minigrpo import train
 
