@@ -21,7 +21,7 @@ from minigrpo.tasks import Task
 
 
 def check_task(t: Task, rows: list[dict], console: Console, model: str | None = None, samples: int | None = None,
-               max_new_tokens: int | None = None, seed: int = 0, max_turns: int = 4) -> None:
+               max_new_tokens: int | None = None, seed: int = 0, max_turns: int | None = None) -> None:
     """`minigrpo check-reward`: the worked examples, stand-in completions, and with a model, G completions
     (or episodes) sampled for each row, with the share of groups GRPO could learn from."""
     from rich.markup import escape

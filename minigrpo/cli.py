@@ -184,7 +184,8 @@ def eval_command(
     prompts: int = typer.Option(64, help="Held-out prompts."),
     samples: int = typer.Option(4, help="Samples per prompt for the mean reward."),
     max_new_tokens: int = typer.Option(None, help="Completion length limit [default: the run's, else the preset's]."),
-    max_turns: int = typer.Option(None, help="Model turns per episode [default: the run's, else 4]."),
+    max_turns: int = typer.Option(None, help="Model turns per episode [default: the run's, else "
+                                             f"{TrainConfig.max_turns}]."),
     out: str = typer.Option(None, help="Folder for eval.jsonl [default: the adapter's run folder]."),
     seed: int = typer.Option(None, help="Seed of the held-out split [default: the run's, else 0]."),
     allow_unconfined_code: bool = typer.Option(False, help=UNCONFINED_HELP),
@@ -259,7 +260,7 @@ def check_reward(
     prompts: int = typer.Option(4, help="Prompts to sample completions for."),
     samples: int = typer.Option(None, help="Completions per prompt [default: the model preset's G]."),
     max_new_tokens: int = typer.Option(None, help="Completion length limit [default: from the model preset]."),
-    max_turns: int = typer.Option(4, help="Model turns per episode, with tools."),
+    max_turns: int = typer.Option(None, help=f"Model turns per episode [default: {TrainConfig.max_turns}]."),
     no_model: bool = typer.Option(False, "--no-model", help="Only the worked examples and the data; load no model."),
     seed: int = typer.Option(0),
     allow_unconfined_code: bool = typer.Option(False, help=UNCONFINED_HELP),

@@ -403,3 +403,27 @@ def test_sample_and_check_reward_show_episodes(tmp_path):
     assert result.exit_code != 0 and "not both" in result.output
     result = runner.invoke(app, ["sample", "Hi", "--tool", "nowhere.py:fn"])
     assert result.exit_code != 0 and "nowhere.py" in result.output and "Traceback" not in result.output
+
+
+def test_eval_and_check_reward_sample_episodes_under_the_turn_limit_asked_for(monkeypatch):
+    """A notebook's before/after evaluations must run episodes as its training did: `--max-turns` reaches
+    the config both commands sample with."""
+    from typer.testing import CliRunner
+
+    from minigrpo import episodes
+    from minigrpo.cli import app
+
+    seen = []
+    settle = episodes.settle_budget
+    monkeypatch.setattr(episodes, "settle_budget", lambda cfg, task: (seen.append(cfg.max_turns), settle(cfg, task)))
+    runner = CliRunner()
+    result = runner.invoke(app, ["eval", "--task", "guess", "--prompts", "1", "--samples", "1", "--max-new-tokens",
+                                 "4", "--max-turns", "2"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["check-reward", "--task", "guess", "--prompts", "1", "--samples", "2",
+                                 "--max-new-tokens", "4", "--max-turns", "3"])
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["check-reward", "--task", "guess", "--prompts", "1", "--samples", "2",
+                                 "--max-new-tokens", "4"])
+    assert result.exit_code == 0, result.output
+    assert seen == [2, 3, 4]  # the last: the config's own default
