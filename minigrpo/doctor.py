@@ -94,8 +94,9 @@ def tiny_model(folder: Path) -> Path:
     no download."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from minigrpo.model import byte_tokenizer
+    from minigrpo.model import byte_tokenizer, quiet_libraries
 
+    quiet_libraries()
     tokenizer = byte_tokenizer()
     config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=320, max_position_embeddings=512,

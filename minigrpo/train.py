@@ -55,7 +55,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
     run = RunFolder(Path(cfg.output_dir), cfg.report_to) if resume else RunFolder.claim(cfg)
     display = Display(cfg.steps)
     display.print(f"[bold]minigrpo[/] {cfg.model} on {task.name}: {cfg.prompts_per_step} prompts x "
-                  f"{cfg.num_generations} completions per step, {cfg.steps} steps -> {run.path}")
+                  f"{cfg.num_generations} completions per step, {cfg.steps} step{'s' * (cfg.steps != 1)} -> {run.path}")
     for note in notes:
         display.print(f"[yellow]warning[/]: {note}", highlight=False)
 

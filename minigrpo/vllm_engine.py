@@ -69,7 +69,32 @@ def engine_options(on_gpu: bool, max_rows: int) -> dict:
         options["logprobs_mode"] = mode
     if on_gpu:  # bound the engine's batch, so its workspace (and `plan.py`'s estimate of it) stays small
         options.update(max_num_seqs=max(max_rows, 8), max_num_batched_tokens=MAX_BATCHED_TOKENS)
+    try:  # its progress bar for loading the exported base, where the version lets it be turned off
+        import dataclasses
+
+        from vllm.engine.arg_utils import EngineArgs
+
+        if "use_tqdm_on_load" in {f.name for f in dataclasses.fields(EngineArgs)}:
+            options["use_tqdm_on_load"] = False
+    except ImportError:
+        pass
     return options
+
+
+def quiet_vllm() -> None:
+    """vLLM's start-up chatter off the console (some fifty lines of configuration, platform advice and load
+    bars per engine): the run's own lines say what happens, and an engine that fails raises with its reason.
+    Its errors still show; VLLM_LOGGING_LEVEL=INFO (or WARNING) brings the rest back."""
+    import logging
+    import warnings
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # read when vllm is first imported
+    # deprecation notices raised inside vllm's own modules: nothing a user of minigrpo can act on
+    warnings.filterwarnings("ignore", category=FutureWarning, module="vllm")
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module="vllm")
+    import vllm  # noqa: F401  (configures its logger)
+
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())  # imported before: set it now
 
 
 class VLLMGenerator:
@@ -90,6 +115,7 @@ class VLLMGenerator:
         # in-process engine: the worker must live in this process to be handed tensors directly
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of kv cache on cpu
+        quiet_vllm()
         from vllm import LLM
         from vllm.lora.request import LoRARequest
 
