@@ -2,11 +2,14 @@
 # The GPU path, checked on a real card, every figure written to one file:
 #   1. `minigrpo doctor` (the card's facts, the dtype it chose and why, 4-bit + LoRA forward/backward on it);
 #   2. `minigrpo plan` for this card and for a T4, from the preset's shape alone (the estimate);
-#   3. `minigrpo bench model` on the preset with random weights of its shape (measured: s/step, tokens/s,
+#   3. `transformers` decoding of the preset (random weights): milliseconds per new token at 1, 8 and 32 rows,
+#      with and without the adapters, and torch ops per token: whether decoding is bound by the card or by
+#      launching kernels one at a time, the figure that sizes every later stage;
+#   4. `minigrpo bench model` on the preset with random weights of its shape (measured: s/step, tokens/s,
 #      peak and reserved memory beside the plan's estimate);
-#   4. the T4's float16 path on this card: `doctor --dtype float16` and three training steps in float16
+#   5. the T4's float16 path on this card: `doctor --dtype float16` and three training steps in float16
 #      (gradient scaler, first-rollout numerics check);
-#   5. the streamed export of a 4-bit policy: extra device memory against its largest shard.
+#   6. the streamed export of a 4-bit policy: extra device memory against its largest shard.
 #
 # For a GPU machine with only torch (and transformers, peft, typer, rich) installed and no network: wheels the
 # machine lacks (bitsandbytes; vLLM's CUDA wheel if it fits the transfer) go in a folder beside the repository
@@ -19,8 +22,8 @@
 #   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux_2_24_x86_64 -d .gpu/wheels bitsandbytes==0.50.2   # beforehand, where pip works
 #
-# Overrides: STAGES (default "doctor plan bench fp16 export"), MODEL, EXPORT_MODEL, SMALL, BENCH_ARGS, and
-# DOCTOR_S, BENCH_S, FP16_S, EXPORT_S (limits in seconds). A dry run on a cpu: MODEL=smollm2-135m
+# Overrides: STAGES (default "doctor plan decode bench fp16 export"), MODEL, EXPORT_MODEL, SMALL, BENCH_ARGS,
+# DECODE_ROWS, and DOCTOR_S, DECODE_S, BENCH_S, FP16_S, EXPORT_S (limits in seconds). A dry run on a cpu: MODEL=smollm2-135m
 # BENCH_ARGS="-G 2 --max-new-tokens 8 --steps 2".
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +32,7 @@ wheels=${2:-.gpu/wheels}
 model=${MODEL:-qwen-1.5b}
 small=${SMALL:-smollm2-135m}
 export_model=${EXPORT_MODEL:-$model}
-stages=${STAGES:-doctor plan bench fp16 export}  # which stages to run
+stages=${STAGES:-doctor plan decode bench fp16 export}  # which stages to run
 bench_args=${BENCH_ARGS:--G 4 -G 8 --max-new-tokens 128 --max-new-tokens 256 --steps 2}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -69,7 +72,35 @@ print(json.dumps({"device": str(policy.device), "dtype": str(dtype), "exported_g
                   "largest_shard_gb": round(max(shards), 3), "extra_device_gb": round(extra, 3)}))
 PY
 }
-export -f random_model export_memory
+decode_speed() {  # decode_speed FOLDER: ms per new token of `transformers` decoding, adapters on and off
+  python - "$1" "${DECODE_ROWS:-1 8 32}" <<'PY'
+import json, sys, time
+import torch
+from minigrpo.config import TrainConfig
+from minigrpo.generation import HFGenerator, Sampling
+from minigrpo.model import default_dtype, load_policy, load_tokenizer
+path, dtype = sys.argv[1], default_dtype()
+policy = load_policy(TrainConfig(load_in_4bit=True), path, dtype)
+generator, prompt = HFGenerator(policy, load_tokenizer(path)), [list(range(10, 74))]  # one 64-token prompt
+wait = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+for rows in map(int, sys.argv[2].split()):
+    for base in (False, True):  # base: the adapters off, the 4-bit layers alone
+        generator.generate(prompt, Sampling(rows, 4), base=base)  # warm-up
+        wait()
+        start = time.perf_counter()
+        made = generator.generate(prompt, Sampling(rows, 32), base=base)
+        wait()
+        seconds, longest = time.perf_counter() - start, max(map(len, made.completion_ids))
+        print(json.dumps({"rows": rows, "adapters": not base, "new_tokens": longest, "dtype": str(dtype),
+                          "ms_per_token": round(1000 * seconds / longest, 2),
+                          "tokens_per_s": round(rows * longest / seconds, 1)}), flush=True)
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+    generator.generate(prompt, Sampling(1, 9))  # a prefill and eight decoding steps
+ops = [e for e in profile.events() if e.cpu_parent is None and e.name.startswith("aten::")]
+print(json.dumps({"torch_ops_per_new_token": len(ops) // 9, "device": str(policy.device)}))
+PY
+}
+export -f random_model export_memory decode_speed
 export work
 
 {
@@ -92,6 +123,8 @@ PY
   stage doctor ${DOCTOR_S:-90} "minigrpo doctor" python -m minigrpo.cli doctor
   stage plan 40 "minigrpo plan (the estimate, before any run): this card, then a T4" \
     bash -c "python -m minigrpo.cli plan --model $model && python -m minigrpo.cli plan --model $model --gpu t4"
+  stage decode ${DECODE_S:-150} "transformers decoding of $model (random weights): ms per new token" bash -c "
+    folder=\$(random_model $model $work/big | tail -1) && decode_speed \$folder"
   # shellcheck disable=SC2086  # the arguments are meant to split
   stage bench ${BENCH_S:-300} "minigrpo bench model (measured)" python -m minigrpo.cli bench model --model "$model" --random-weights \
     $bench_args
@@ -101,6 +134,6 @@ PY
     python -m minigrpo.cli train --model \$folder --task addition --steps 3 --dtype float16 --generator hf \
       --output-dir $work/run-fp16 --sample-every 0 --no-eval-before-after && tail -n 3 $work/run-fp16/metrics.jsonl"
   stage export ${EXPORT_S:-120} "export of $export_model's 4-bit policy, streamed" bash -c "
-    folder=\$(random_model $export_model $work/big | tail -1) && export_memory \$folder"
+    folder=\$(random_model $export_model $work/big-export | tail -1) && export_memory \$folder"
 } 2>&1 | tee "$out"
 echo "figures written to $out"

@@ -527,7 +527,7 @@ def test_gpu_check_script_runs_its_stages_and_reports_each(tmp_path):
     import sys
 
     out = tmp_path / "gpu_check.txt"
-    env = {**os.environ, "STAGES": "plan", "MODEL": "smollm2-135m",
+    env = {**os.environ, "STAGES": "plan decode", "MODEL": "smollm2-135m", "DECODE_ROWS": "2",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run(["bash", "scripts/gpu_check.sh", str(out), str(tmp_path / "no-wheels")], env=env,
                           cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=300)
@@ -535,6 +535,11 @@ def test_gpu_check_script_runs_its_stages_and_reports_each(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "## minigrpo plan (the estimate, before any run): this card, then a T4: exit 0" in report, report[-2000:]
     assert "t4" in report and "fits" in report
+    assert re.search(r"## transformers decoding of smollm2-135m .*: exit 0 after", report), report[-2000:]
+    figures = [json.loads(line) for line in report.splitlines() if line.startswith("{")]
+    assert [(f["rows"], f["adapters"]) for f in figures[:2]] == [(2, True), (2, False)], figures
+    assert all(f["new_tokens"] > 0 and f["ms_per_token"] > 0 for f in figures[:2])
+    assert figures[2]["torch_ops_per_new_token"] > 100  # a model's layers, each a few ops
     assert "## minigrpo doctor" not in report, "only the stages asked for run"
 
 
