@@ -159,13 +159,8 @@ def _memory_child(path: str, rows: int, length: int, out: str) -> None:
     import torch
 
     from minigrpo import loss as L
-    from minigrpo.model import (
-        full_logprobs,
-        load_policy,
-        load_tokenizer,
-        resolve_weights,
-        token_logprobs,
-    )
+    from minigrpo.model import full_logprobs, load_policy, load_tokenizer, token_logprobs
+    from minigrpo.weights import resolve_weights
 
     cfg = TrainConfig(load_in_4bit=torch.cuda.is_available())
     weights = resolve_weights(cfg.hub_id)
@@ -251,16 +246,10 @@ def weights_or_random(preset: str, folder: Path, random_weights: bool = False) -
     import torch
     from transformers import AutoModelForCausalLM
 
-    from minigrpo.model import (
-        OFFLINE_HUB_ID,
-        _hub_reachable,
-        byte_tokenizer,
-        default_dtype,
-        load_tokenizer,
-        quiet_libraries,
-        resolve_weights,
-    )
+    from minigrpo.console import quiet_libraries
+    from minigrpo.model import byte_tokenizer, default_dtype, load_tokenizer
     from minigrpo.plan import SHAPES, preset_shape
+    from minigrpo.weights import OFFLINE_HUB_ID, _hub_reachable, resolve_weights
 
     hub_id = TrainConfig(model=preset).hub_id
     if not random_weights and (hub_id == OFFLINE_HUB_ID or _hub_reachable(hub_id)):

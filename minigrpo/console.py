@@ -1,9 +1,11 @@
 """What a run shows while it trains: one line per step (the reward with its moving mean beside it, since a
 step's reward of a few samples is noise), a progress bar with ETA where the output is a terminal, now and then
-a sampled completion with its reward parts, and at the end the held-out before and after."""
+a sampled completion with its reward parts, and at the end the held-out before and after; and the other
+libraries' chatter kept off the console."""
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 from rich.console import Console
@@ -107,3 +109,16 @@ def describe_eval(r: dict) -> str:
     if f"sampled/maj@{n}" in r:
         line += f"  maj@{n} {r[f'sampled/maj@{n}']:.3f} ± {r[f'sampled/maj@{n}/stderr']:.3f}"
     return line
+
+
+def quiet_libraries() -> None:
+    """Other libraries' chatter off the console: transformers' progress bars and advice, the hub's progress
+    bars, bitsandbytes' note about an optional kernel package (logged when it is imported). Our own lines
+    say what is happening; errors still show."""
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
+    disable_progress_bars()

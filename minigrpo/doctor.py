@@ -94,7 +94,8 @@ def tiny_model(folder: Path) -> Path:
     no download."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from minigrpo.model import byte_tokenizer, quiet_libraries
+    from minigrpo.console import quiet_libraries
+    from minigrpo.model import byte_tokenizer
 
     quiet_libraries()
     tokenizer = byte_tokenizer()

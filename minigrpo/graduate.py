@@ -148,7 +148,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 from trl import GRPOConfig, GRPOTrainer
 
 from minigrpo.graduate import trl_rewards
-from minigrpo.model import resolve_weights
+from minigrpo.weights import resolve_weights
 from minigrpo.tasks import get_task
 
 MODEL = resolve_weights({hub_id!r})  # the hub id (or, offline, minigrpo's local copy of the tiny model)

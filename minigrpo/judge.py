@@ -321,7 +321,7 @@ class Cache:
 
 def cache_path() -> Path:
     """$MINIGRPO_JUDGE_CACHE, else judge.sqlite in minigrpo's cache folder."""
-    from minigrpo.model import cache_dir
+    from minigrpo.weights import cache_dir
 
     return Path(os.environ.get("MINIGRPO_JUDGE_CACHE") or cache_dir() / "judge.sqlite")
 

@@ -22,6 +22,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from minigrpo.hardware import Gpu, compute_dtype, dtype_name, host_memory_gb
+from minigrpo.weights import resolve_weights
 
 GiB = 2**30
 BUDGET = 0.92  # share of a card's memory a plan may fill; the rest is fragmentation and allocator slack
@@ -69,8 +70,9 @@ def shape_of(cfg):
 
     if cfg.model in SHAPES:
         return preset_shape(cfg.model)
+    weights = resolve_weights(cfg.hub_id)  # a hub id out of reach: why, in one line, without retries
     try:
-        return AutoConfig.from_pretrained(cfg.hub_id)
+        return AutoConfig.from_pretrained(weights)
     except Exception as error:
         raise ValueError(f"cannot read the config of {cfg.model!r} ({type(error).__name__}); give a preset "
                          f"({', '.join(SHAPES)}), a local folder or a reachable hub id") from None
@@ -359,8 +361,7 @@ def smaller_settings(s: Settings):
 
 
 def plans_for(cfg, gpu: str | None, gpu_memory: float | None) -> dict[str, Plan]:
-    """`minigrpo plan`'s plans: for the card named (or of that memory), else this machine's GPU, else every
-    card in `hardware.CARDS`."""
+    """`minigrpo plan`'s plans: the card named (or of that memory), else this machine's GPU, else all CARDS."""
     from minigrpo.hardware import CARDS, card, this_gpu, vllm_available
 
     here = None if gpu or gpu_memory else this_gpu()
@@ -376,8 +377,7 @@ def print_plans(cfg, plans: dict[str, Plan], console) -> None:
 
     table = Table(title=f"{cfg.model}: G={cfg.num_generations} x {cfg.prompts_per_step} prompts, {cfg.max_new_tokens} "
                         f"new tokens, LoRA r{cfg.lora_rank}, micro-batch {cfg.micro_batch_size}; estimates in GB")
-    for column in ("gpu", "GB", "dtype", "generator", "share", "KV tokens", "sleeps", "trainer", "step", "peak",
-                   "fits"):
+    for column in ("gpu", "GB", "dtype", "generator", "share", "KV tokens", "sleeps", "trainer", "step", "peak", "fits"):
         table.add_column(column, no_wrap=True)
     short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
     for label, p in plans.items():

@@ -17,7 +17,8 @@ import torch
 from minigrpo.config import TrainConfig
 from minigrpo.generation import Generator, HFGenerator, Sampling
 from minigrpo.hardware import Gpu, compute_dtype, this_gpu, vllm_available
-from minigrpo.model import load_policy, load_tokenizer, pad_batch, resolve_weights, token_logprobs
+from minigrpo.model import load_policy, load_tokenizer, pad_batch, token_logprobs
+from minigrpo.weights import resolve_weights
 from minigrpo.plan import Plan, Settings, make_plan
 from minigrpo.rollout import render_prompt
 from minigrpo.tasks import Task, rows_and_places

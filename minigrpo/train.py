@@ -27,13 +27,14 @@ from minigrpo.console import Display
 from minigrpo.episodes import settle_budget
 from minigrpo.generation import Generator
 from minigrpo.hardware import memory_in_use_gb, peak_memory_gb, reserved_memory_gb
-from minigrpo.model import lora_parameters, resolve_weights, seed_everything
+from minigrpo.model import lora_parameters, seed_everything
 from minigrpo.plot import read_jsonl
 from minigrpo.rollout import PromptPool, collect
 from minigrpo.run import RunFolder
 from minigrpo.startup import load_for_training
 from minigrpo.tasks import Task, check_sandbox, get_task
 from minigrpo.update import MicroBatches, Update, micro_batches, policy_update
+from minigrpo.weights import resolve_weights
 
 GAP_WARNING = 0.05  # mean |sampler - trainer| log-prob per token above which the engine is out of sync
 

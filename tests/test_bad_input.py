@@ -181,6 +181,7 @@ def test_a_model_out_of_reach_stops_the_run_before_its_folder(tmp_path):
                    "cannot load someone/not-downloaded: HF_HUB_OFFLINE=1 and it is not in the local cache")
     assert not (tmp_path / "run").exists()
     one_line_error(*cli("eval", "--task", "addition", "--model", "someone/not-downloaded"), "not in the local cache")
+    one_line_error(*cli("plan", "--model", "someone/not-downloaded"), "not in the local cache")
 
 
 class Hub(http.server.BaseHTTPRequestHandler):
@@ -205,7 +206,7 @@ class Hub(http.server.BaseHTTPRequestHandler):
 def test_each_answer_of_the_hub_is_named_with_what_to_do(monkeypatch):
     from huggingface_hub import constants
 
-    from minigrpo import model
+    from minigrpo import weights as model
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
     threading.Thread(target=server.serve_forever, daemon=True).start()

@@ -97,7 +97,7 @@ def test_converting_the_offline_model_leaves_the_seeded_random_stream_alone(tmp_
     """The first run on a machine converts the model after seeding; it must then train as every later run."""
     import torch
 
-    from minigrpo.model import OFFLINE_HUB_ID, resolve_weights
+    from minigrpo.weights import OFFLINE_HUB_ID, resolve_weights
 
     monkeypatch.setenv("MINIGRPO_CACHE", str(tmp_path / "cache"))
     torch.manual_seed(0)
