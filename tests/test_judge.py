@@ -226,8 +226,11 @@ def test_the_haiku_task_is_judged_by_the_base_model(tmp_path):
     assert set(r["prompt"] for r in task.make_data("test", 0)).isdisjoint(r["prompt"] for r in task.make_data("train", 0))
     with pytest.raises(J.JudgeUnavailable):
         task.rewards[0](["Write a haiku about fog."], ["Grey fog on the hill\nthe bus lights fade one by one\nthen only the sound"])
+    # reward_timeout: the judge generates inside the reward's time limit, which a busy 2-core machine can pass;
+    # the fallback then asks again one completion at a time, and the counts below would double
     run = train(TrainConfig(task="haiku", steps=1, num_generations=2, prompts_per_step=2, max_new_tokens=24,
-                            eval_before_after=False, sample_every=0, output_dir=str(tmp_path / "run")))
+                            eval_before_after=False, sample_every=0, output_dir=str(tmp_path / "run"),
+                            reward_timeout=300))
     (metrics,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert "reward/haiku_judge/mean" in metrics
     # every completion was gated (not three short lines), or asked, or found in the cache
