@@ -249,10 +249,10 @@ def weights_or_random(preset: str, folder: Path, random_weights: bool = False) -
     from minigrpo.console import quiet_libraries
     from minigrpo.model import byte_tokenizer, default_dtype, load_tokenizer
     from minigrpo.plan import SHAPES, preset_shape
-    from minigrpo.weights import OFFLINE_HUB_ID, _hub_reachable, resolve_weights
+    from minigrpo.weights import OFFLINE_HUB_ID, hub_problem, resolve_weights
 
     hub_id = TrainConfig(model=preset).hub_id
-    if not random_weights and (hub_id == OFFLINE_HUB_ID or _hub_reachable(hub_id)):
+    if not random_weights and (hub_id == OFFLINE_HUB_ID or hub_problem(hub_id) is None):
         return resolve_weights(hub_id), False
     if preset not in SHAPES:
         raise ValueError(f"no weights for {preset} here and no known shape; known: {', '.join(SHAPES)}")

@@ -82,7 +82,7 @@ def engine_options(on_gpu: bool, max_rows: int) -> dict:
 
 
 def quiet_vllm() -> None:
-    """vLLM's start-up chatter off the console (some fifty lines of configuration, platform advice and load
+    """vLLM's start-up chatter off the console (45 lines of configuration, platform advice and load
     bars per engine): the run's own lines say what happens, and an engine that fails raises with its reason.
     Its errors still show; VLLM_LOGGING_LEVEL=INFO (or WARNING) brings the rest back."""
     import logging

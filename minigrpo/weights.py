@@ -46,17 +46,13 @@ def resolve_weights(hub_id: str) -> str:
     converted = cache_dir() / "SmolLM2-135M-Instruct"
     if (converted / "config.json").exists():
         return str(converted)
-    if not _hub_reachable(hub_id):
+    if hub_problem(hub_id) is not None:
         # the conversion builds a model, which draws random numbers: a run that converts first (the first on a
         # machine) must sample and initialise exactly as every later run with the same seed
         with torch.random.fork_rng(devices=[]):
             convert_offline_smollm2(converted)
         return str(converted)
     return hub_id
-
-
-def _hub_reachable(hub_id: str) -> bool:
-    return hub_problem(hub_id) is None
 
 
 HUB_PATIENCE_S = 30.0  # how long the hub may take to hand over a model's config
