@@ -3,8 +3,9 @@
 #   1. `minigrpo doctor` (the card's facts, the dtype it chose and why, 4-bit + LoRA forward/backward on it);
 #   2. `minigrpo plan` for this card and for a T4, from the preset's shape alone (the estimate);
 #   3. `transformers` decoding of the preset (random weights): milliseconds per new token at 1, 8 and 32 rows,
-#      with and without the adapters, and torch ops per token: whether decoding is bound by the card or by
-#      launching kernels one at a time, the figure that sizes every later stage;
+#      with and without the adapters, torch ops per token, and the share of a token's wall time the card spends
+#      in kernels: whether decoding is bound by the card or by launching kernels one at a time, the figure that
+#      sizes every later stage;
 #   4. `minigrpo bench model` on the preset with random weights of its shape (measured: s/step, tokens/s,
 #      peak and reserved memory beside the plan's estimate);
 #   5. the T4's float16 path on this card: `doctor --dtype float16` and three training steps in float16
@@ -94,10 +95,20 @@ for rows in map(int, sys.argv[2].split()):
         print(json.dumps({"rows": rows, "adapters": not base, "new_tokens": longest, "dtype": str(dtype),
                           "ms_per_token": round(1000 * seconds / longest, 2),
                           "tokens_per_s": round(rows * longest / seconds, 1)}), flush=True)
-with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+# on a card, the profiler also times the kernels: if they keep the card busy for a small share of the wall
+# time, each token waits on python launching ops one at a time, not on the card's arithmetic
+activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * torch.cuda.is_available()
+with torch.profiler.profile(activities=activities) as profile:
+    start = time.perf_counter()
     generator.generate(prompt, Sampling(1, 9))  # a prefill and eight decoding steps
+    wait()
+    wall_ms = 1000 * (time.perf_counter() - start)
 ops = [e for e in profile.events() if e.cpu_parent is None and e.name.startswith("aten::")]
-print(json.dumps({"torch_ops_per_new_token": len(ops) // 9, "device": str(policy.device)}))
+kernel_ms = sum(k.self_device_time_total for k in profile.key_averages()) / 1000
+print(json.dumps({"torch_ops_per_new_token": len(ops) // 9, "device": str(policy.device),
+                  "profiled_wall_ms_per_token": round(wall_ms / 9, 2),
+                  "kernel_ms_per_token": round(kernel_ms / 9, 3) if torch.cuda.is_available() else None,
+                  "card_busy_share": round(kernel_ms / wall_ms, 3) if torch.cuda.is_available() else None}))
 PY
 }
 export -f random_model export_memory decode_speed

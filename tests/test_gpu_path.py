@@ -541,6 +541,7 @@ def test_gpu_check_script_runs_its_stages_and_reports_each(tmp_path):
     assert [(f["rows"], f["adapters"]) for f in figures[:2]] == [(2, True), (2, False)], figures
     assert all(f["new_tokens"] > 0 and f["ms_per_token"] > 0 for f in figures[:2])
     assert figures[2]["torch_ops_per_new_token"] > 100  # a model's layers, each a few ops
+    assert figures[2]["profiled_wall_ms_per_token"] > 0 and figures[2]["card_busy_share"] is None  # no card here
     assert "## minigrpo doctor" not in report, "only the stages asked for run"
 
 
