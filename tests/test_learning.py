@@ -18,7 +18,7 @@ from minigrpo import TrainConfig, train
 def test_grpo_lifts_held_out_reward_on_cpu(tmp_path):
     run = train(TrainConfig(model="smollm2-135m", task="addition", steps=30, eval_every=30, eval_prompts=64,
                             eval_samples=4, sample_every=0, save_every=0, seed=0, output_dir=str(tmp_path / "run")))
-    assert_rise(run, at_least=0.20)
+    assert_rise(run, at_least=0.40)  # +0.61 to +0.75 in five seeds at the preset's rate, +0.25 to +0.49 at half it
 
 
 @pytest.mark.slow
@@ -30,7 +30,7 @@ def test_grpo_lifts_held_out_episode_reward_on_cpu(tmp_path):
                             output_dir=str(tmp_path / "run")))
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert max(s["episode/turns"] for s in steps) > 1  # the game went past its first guess
-    assert_rise(run, at_least=0.10)
+    assert_rise(run, at_least=0.25)  # +0.50 at the preset's rate, +0.18 at half it
 
 
 def assert_rise(run, at_least: float) -> None:
