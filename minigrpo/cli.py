@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import typer
+from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from minigrpo.cli_machine import machine_app
@@ -222,12 +224,17 @@ def eval_command(
 @clear_errors
 def models() -> None:
     """List the model presets and the sizes they set."""
-    table = Table(title="model presets (sizes for a 16 GB GPU, 4-bit base; `minigrpo plan` says what fits a card)")
-    for column in ("preset", "hub id", "LoRA rank", "lr", "G", "prompts/step", "max new tokens", "note"):
-        table.add_column(column, no_wrap=column in ("preset", "hub id"))
+    # narrow enough for an 80-column terminal: the numbers never wrap, the hub id and note share the last column
+    table = Table(title="model presets (`minigrpo plan` says what fits a card)", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
+                  caption="sizes are for a 16 GB GPU with the base in 4-bit; any flag overrides them")
+    table.add_column("preset", no_wrap=True)
+    table.add_column("G x prompts,\nnew tokens", no_wrap=True)
+    table.add_column("lr", no_wrap=True)
+    table.add_column("LoRA\nrank", no_wrap=True)
+    table.add_column("hub id\nnote", overflow="fold")
     for name, p in PRESETS.items():
-        table.add_row(name, p.hub_id, str(p.lora_rank), f"{p.learning_rate:g}", str(p.num_generations),
-                      str(p.prompts_per_step), str(p.max_new_tokens), p.note)
+        table.add_row(name, f"{p.num_generations} x {p.prompts_per_step}, {p.max_new_tokens}", f"{p.learning_rate:g}",
+                      str(p.lora_rank), f"{p.hub_id}\n[dim]{escape(p.note)}[/dim]")
     Console().print(table)
 
 

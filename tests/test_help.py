@@ -34,3 +34,17 @@ def test_help_shows_every_default(path, command):
         if "[default:" not in described and "[required]" not in described:
             missing.append(f"{param.opts[0]}: {described}")
     assert not missing, missing
+
+
+def test_models_fits_an_80_column_terminal():
+    """Each preset's hub id (to copy) and sizes whole, on a terminal of 80 columns."""
+    from minigrpo.config import PRESETS
+
+    result = CliRunner().invoke(app, ["models"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert max(map(len, lines)) <= 80, result.output
+    for name, preset in PRESETS.items():
+        row = next(line for line in lines if line.split() and line.split()[0] == name)
+        assert f"{preset.learning_rate:g}" in row.split() and preset.hub_id in row.split(), row
+        assert f"{preset.num_generations} x {preset.prompts_per_step}, {preset.max_new_tokens}" in row, row
