@@ -225,8 +225,9 @@ def eval_command(
 def models() -> None:
     """List the model presets and the sizes they set."""
     # narrow enough for an 80-column terminal: the numbers never wrap, the hub id and note share the last column
-    table = Table(title="model presets (`minigrpo plan` says what fits a card)", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True,
-                  caption="sizes are for a 16 GB GPU with the base in 4-bit; any flag overrides them")
+    table = Table(title="model presets (`minigrpo plan` says what fits a card)",
+                  caption="sizes are for a 16 GB GPU with the base in 4-bit; any flag overrides them",
+                  box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     table.add_column("preset", no_wrap=True)
     table.add_column("G x prompts,\nnew tokens", no_wrap=True)
     table.add_column("lr", no_wrap=True)
