@@ -18,7 +18,8 @@ from torch.utils.checkpoint import checkpoint
 
 from minigrpo.config import PRESETS, TrainConfig
 from minigrpo.console import quiet_libraries
-from minigrpo.weights import cache_dir, resolve_weights
+from minigrpo.weights import offline_copy, resolve_weights
+
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -222,7 +223,7 @@ def _adapter_base(adapter: Path) -> str | None:
     """The base an adapter trained elsewhere (TRL's output folder) names, as a preset name where it is one."""
     base = json.loads((Path(adapter) / "adapter_config.json").read_text()).get("base_model_name_or_path")
     presets = {p.hub_id: name for name, p in PRESETS.items()}
-    if base and Path(base).resolve() == (cache_dir() / "SmolLM2-135M-Instruct").resolve():
+    if base and Path(base).resolve() == offline_copy().resolve():
         return "smollm2-135m"  # minigrpo's offline copy of the tiny model
     return presets.get(base, base)
 

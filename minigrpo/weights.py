@@ -27,6 +27,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MINIGRPO_CACHE", Path.home() / ".cache" / "minigrpo"))
 
 
+def offline_copy() -> Path:
+    """Where the packaged tiny model is converted to, once, for machines that cannot reach the hub."""
+    return cache_dir() / "SmolLM2-135M-Instruct"
+
+
 def resolve_weights(hub_id: str) -> str:
     """A folder or hub id that `from_pretrained` can load without surprises.
 
@@ -43,7 +48,7 @@ def resolve_weights(hub_id: str) -> str:
         if problem:
             raise ValueError(f"cannot load {hub_id}: {problem}")
         return hub_id
-    converted = cache_dir() / "SmolLM2-135M-Instruct"
+    converted = offline_copy()
     if (converted / "config.json").exists():
         return str(converted)
     if hub_problem(hub_id) is not None:
