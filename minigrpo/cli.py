@@ -87,6 +87,9 @@ def train(
                                            "on cpu), bfloat16, float16 or float32."),
     load_in_4bit: bool = typer.Option(None, "--4bit/--no-4bit",
                                       help="nf4 base, or the compute dtype [default: 4-bit on GPU, the compute dtype on cpu]."),
+    bf16_base: bool = typer.Option(None, "--bf16-base/--no-bf16-base",
+                                   help="Keep a float32 model's frozen projections in bfloat16 [default: on a cpu with "
+                                        "bf16 instructions, with --dtype auto and transformers generation]."),
     gradient_checkpointing: bool = typer.Option(
         None, "--gradient-checkpointing/--no-gradient-checkpointing",
         help="Recompute activations in backward: less memory, slower steps [default: off on a cpu with room "

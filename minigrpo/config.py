@@ -62,6 +62,9 @@ class TrainConfig:
     lora_alpha: int | None = None  # None: twice the rank
     gradient_checkpointing: bool | None = None  # recompute activations in backward; None: off on a cpu with room
     dtype: str = "auto"  # compute dtype: bf16 on sm_80+, fp16 on older GPUs (T4), fp32 on cpu; or force one
+    # a float32 model whose frozen block projections are kept and multiplied in bf16 (not with 4-bit); None: on
+    # a cpu with bf16 instructions where the dtype is auto and transformers generates (`hardware.bf16_projections`)
+    bf16_base: bool | None = None
 
     # rollout
     steps: int = 30  # optimizer steps
@@ -146,10 +149,14 @@ class TrainConfig:
         for knob, value in LOSSES[self.loss].items():
             if getattr(self, knob) is None:
                 setattr(self, knob, value)
-        if self.load_in_4bit is None:
-            import torch
+        import torch
 
+        from minigrpo.hardware import bf16_projections
+
+        if self.load_in_4bit is None:
             self.load_in_4bit = torch.cuda.is_available()
+        if self.bf16_base is None:
+            self.bf16_base = bf16_projections(torch.cuda.is_available(), self.dtype, self.load_in_4bit, self.generator)
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         self.validate()
@@ -179,6 +186,9 @@ class TrainConfig:
              "gpu_memory_utilization must be in (0, 1), or left out to size it from the model (`minigrpo plan`)"),
             (self.dtype in ("auto", "bfloat16", "float16", "float32"),
              "dtype must be auto, bfloat16, float16 or float32"),
+            (not self.bf16_base or (self.dtype in ("auto", "float32") and not self.load_in_4bit),
+             "bf16_base keeps the projections of a float32 model in bfloat16: it goes with --dtype float32 "
+             "(or auto on a cpu) and --no-4bit"),
             (self.tis_cap >= 0, "tis_cap must be >= 0 (0 turns truncated importance sampling off)"),
             (self.max_prompt_tokens >= 1, "max_prompt_tokens must be at least 1"),
             (self.learning_rate > 0, "learning_rate must be > 0"),
@@ -229,4 +239,5 @@ class TrainConfig:
     def load(cls, path: Path) -> "TrainConfig":
         fields = json.loads(Path(path).read_text())
         fields.pop("preset", None)
+        fields.setdefault("bf16_base", False)  # a run saved before the field existed computed all in its dtype
         return cls(**fields)

@@ -7,6 +7,7 @@ strings, so a test can stand in for a T4 or a 4090 on a machine without either.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -97,9 +98,10 @@ def compute_dtype(gpu: Gpu | None, requested: str = "auto", cpu_bf16: bool | Non
     (it counts emulation), where vLLM refuses bf16 and torch emulates it slowly. Below 8.0, fp16 with a
     gradient scaler and a check of the first rollout's numbers (some models overflow in fp16; the run then
     falls back to fp32). On a cpu (`gpu` None), fp32. Where the cpu has bf16 instructions (`cpu_bf16`; None
-    reads this machine's flags) a bf16 matmul is about 2x faster and a step 0.6-0.7x as long, but the quick
-    start learns about three quarters as much in bf16 (five paired seeds; README, "Speed on a CPU"): each
-    LoRA layer's small addition is rounded away when its output is cast to bf16. So bf16 on a cpu is an opt-in.
+    reads this machine's flags) a bf16 matmul is about 2x faster, but an all-bf16 model rounds each LoRA
+    layer's small addition away when its output is cast to bf16 (it learned less at a small learning rate;
+    README, "Speed on a CPU"), so there the model stays fp32 and only its projections compute in bf16
+    (`bf16_projections`); an all-bf16 model is an opt-in.
 
     >>> compute_dtype(CARDS["t4"])[0], compute_dtype(CARDS["4090"])[0]
     (torch.float16, torch.bfloat16)
@@ -115,8 +117,8 @@ def compute_dtype(gpu: Gpu | None, requested: str = "auto", cpu_bf16: bool | Non
         return DTYPES[requested], "asked for with --dtype"
     if gpu is None:
         if cpu_has_bf16() if cpu_bf16 is None else cpu_bf16:
-            return torch.float32, ("cpu: --dtype bfloat16 runs faster on this one (it has bf16 instructions); "
-                                   "fp32, since bf16 rounds the adapter's small additions away and learns less")
+            return torch.float32, ("cpu with bf16 instructions: float32, with the block projections in bfloat16 "
+                                   "where transformers generates (the adapter's additions stay float32)")
         return torch.float32, "cpu without bf16 instructions: bfloat16 would be emulated, 2-5x slower"
     if gpu.capability >= (8, 0):
         return torch.bfloat16, f"{gpu.sm} has bfloat16"
@@ -124,6 +126,26 @@ def compute_dtype(gpu: Gpu | None, requested: str = "auto", cpu_bf16: bool | Non
                            f"scaler, falling back to float32 if the first rollout overflows")
 
 
+def bf16_projections(on_gpu: bool, dtype: str, load_in_4bit: bool, generator: str,
+                     cpu_bf16: bool | None = None) -> bool:
+    """Whether a run left to choose keeps its float32 model's block projections in bfloat16 (`model.Bf16Linear`):
+    on a cpu with bf16 instructions, with the dtype left to `auto`, no 4-bit base, and transformers generating.
+    A step runs near an all-bf16 one's speed while the adapter's additions, the residual stream and the logits
+    stay float32 (README, "Speed on a CPU"). Not beside the vLLM engine, whose own float32 copy would then
+    differ from the trainer by the rounding; not where a dtype is asked for.
+
+    >>> [bf16_projections(False, "auto", False, "auto", cpu_bf16=has) for has in (True, False)]
+    [True, False]
+    >>> [bf16_projections(False, "float32", False, "auto", True), bf16_projections(False, "auto", True, "auto", True),
+    ...  bf16_projections(False, "auto", False, "vllm", True), bf16_projections(True, "auto", False, "auto", True)]
+    [False, False, False, False]
+    """
+    if on_gpu or dtype != "auto" or load_in_4bit or generator == "vllm":
+        return False
+    return cpu_has_bf16() if cpu_bf16 is None else cpu_bf16
+
+
+@functools.cache  # every TrainConfig asks
 def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this x86 cpu has bfloat16 instructions (AVX512-BF16 or AMX), from /proc/cpuinfo's flags.
 

@@ -174,6 +174,7 @@ class Settings:
     dtype: str = "auto"
     generator: str = "auto"
     gpu_memory_utilization: float | None = None
+    bf16_base: bool = False  # a float32 model's projections kept in bfloat16 (a cpu)
 
     @classmethod
     def of(cls, cfg, prompt_tokens: int = 192) -> "Settings":
@@ -181,7 +182,7 @@ class Settings:
                    min(prompt_tokens, cfg.max_prompt_tokens), cfg.completion_tokens, cfg.max_prompt_tokens,
                    cfg.lora_rank, cfg.load_in_4bit if cfg.load_in_4bit is not None else True, cfg.micro_batch_size,
                    cfg.logprob_chunk_size, cfg.gradient_checkpointing, cfg.dtype, cfg.generator,
-                   cfg.gpu_memory_utilization)
+                   cfg.gpu_memory_utilization, bool(cfg.bf16_base))
 
 
 @dataclass
@@ -242,7 +243,8 @@ def make_plan(shape, gpu: Gpu | None, s: Settings, vllm_installed: bool = True, 
         choice = "vllm" if s.generator == "vllm" else "hf"
         reason = ("asked for; on cpu vLLM generated slower than transformers and holds a second copy of the base"
                   if choice == "vllm" else "on cpu transformers generation measured faster than vLLM's cpu build")
-        return dataclasses.replace(hf, generator=choice, generator_reason=reason, fits=True)
+        bf16 = " with bfloat16 projections" if s.bf16_base and hf.dtype == "float32" else ""
+        return dataclasses.replace(hf, dtype=hf.dtype + bf16, generator=choice, generator_reason=reason, fits=True)
     if s.generator == "hf" or (s.generator == "auto" and not vllm_installed):
         why = "asked for" if s.generator == "hf" else "vLLM is not installed"
         return finish(dataclasses.replace(hf, generator_reason=why), gpu, s, shape, advise)
@@ -318,9 +320,8 @@ def engine_plan(sizes: Sizes, gpu: Gpu, s: Settings, nbytes: int, trainer: float
     if fits and sleep and gpu.host_gb is not None and host > 0.6 * gpu.host_gb:
         fits, reason = False, (f"the sleeping engine would pin {host:.1f} GB of host RAM, more than this machine's "
                                f"{gpu.host_gb:.1f} GB can spare")
-    plan = Plan(gpu.name, gpu.total_gb, "", "", "vllm", reason, trainer, train_step, engine, round(share, 2), kv,
+    return Plan(gpu.name, gpu.total_gb, "", "", "vllm", reason, trainer, train_step, engine, round(share, 2), kv,
                 tokens, sleep, host, max(awake_peak, training_peak), fits)
-    return plan
 
 
 FLAGS = {"micro_batch_size": "--micro-batch-size", "generator": "--generator", "new_tokens": "--max-new-tokens",
@@ -352,12 +353,11 @@ def smaller_settings(s: Settings):
     micro = s.micro_batch_size
     for m in (micro, max(1, micro // 2), max(1, micro // 4)):
         for generator in ([s.generator] if s.generator == "hf" else [s.generator, "hf"]):
-            for new in (s.new_tokens, s.new_tokens // 2, s.new_tokens // 4):
+            for new in (n for n in (s.new_tokens, s.new_tokens // 2, s.new_tokens // 4) if n >= 16):
                 for prompts in (s.prompts, max(1, s.prompts // 2), 1):
-                    if new >= 16:
-                        yield dataclasses.replace(s, micro_batch_size=m, generator=generator, new_tokens=new,
-                                                  prompts=prompts, rows=s.rows // s.prompts * prompts,
-                                                  gpu_memory_utilization=None)
+                    yield dataclasses.replace(s, micro_batch_size=m, generator=generator, new_tokens=new,
+                                              prompts=prompts, rows=s.rows // s.prompts * prompts,
+                                              gpu_memory_utilization=None)
 
 
 def plans_for(cfg, gpu: str | None, gpu_memory: float | None) -> dict[str, Plan]:

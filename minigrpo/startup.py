@@ -122,8 +122,12 @@ def make_generator(cfg, model, tokenizer, plan, dtype: torch.dtype, say=print) -
     """The generator the plan chose (`plan.make_plan`). With `--generator auto`, an engine that fails to
     start (an unsupported card, driver or vLLM version) gives way to transformers generation, with one line
     saying why; with `--generator vllm` the failure stops the run."""
+    # in float32 our decode loop's numbers are the trainer's; in reduced precision (bf16, fp16, bf16 projections)
+    # a one-token step and a whole-sequence forward round differently (0.02 nats a token on the tiny model), so the
+    # sampler's own log-probs go to the loss, which corrects for the gap (truncated importance sampling) and logs it
+    exact = dtype == torch.float32 and not cfg.bf16_base
     if plan.generator == "hf":
-        return HFGenerator(model, tokenizer)
+        return HFGenerator(model, tokenizer, report_logprobs=not exact)
     if not vllm_available():
         raise ValueError("--generator vllm needs vLLM: pip install \"$(minigrpo doctor --vllm-requirement)\" "
                          "(the build for this machine), or train with --generator hf")
@@ -142,7 +146,7 @@ def make_generator(cfg, model, tokenizer, plan, dtype: torch.dtype, say=print) -
             raise SetupError(f"the vLLM engine could not start ({why}). Train with --generator hf, which needs "
                              f"no engine, or see `minigrpo doctor`.") from error
         say(f"[yellow]the vLLM engine could not start ({why}); generating with transformers instead[/]")
-        return HFGenerator(model, tokenizer)
+        return HFGenerator(model, tokenizer, report_logprobs=not exact)
 
 
 def first_rollout_problem(loaded: Loaded, cfg: TrainConfig, prompt: str = "Count from one to ten.") -> str | None:

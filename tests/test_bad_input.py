@@ -171,6 +171,11 @@ def test_non_finite_numbers_are_refused(flag, value):
     one_line_error(*cli("train", flag, value), "must be a finite number", flag)
 
 
+@pytest.mark.parametrize("flags", [("--dtype", "bfloat16"), ("--4bit",)])
+def test_bf16_projections_go_with_a_float32_model_only(flags):
+    one_line_error(*cli("train", "--bf16-base", *flags), "it goes with --dtype float32", "--no-4bit")
+
+
 def test_a_model_name_typo_suggests_the_preset_and_leaves_no_folder(tmp_path):
     one_line_error(*cli("train", "--model", "qwen-1.5bb", "--output-dir", tmp_path / "run"), "did you mean qwen-1.5b")
     assert not (tmp_path / "run").exists()

@@ -29,7 +29,7 @@ def ids(tokenizer, text: str) -> list[int]:
 @pytest.fixture(scope="module")
 def setup(tiny_model_path):
     torch.manual_seed(0)
-    policy = load_policy(TrainConfig(lora_rank=4, load_in_4bit=False), tiny_model_path, torch.float32)
+    policy = load_policy(TrainConfig(lora_rank=4, load_in_4bit=False, dtype="float32"), tiny_model_path, torch.float32)
     with torch.no_grad():  # a visible adapter, so the policy and the reference differ
         for p in lora_parameters(policy):
             p.add_(torch.randn_like(p) * 0.02)

@@ -103,7 +103,7 @@ def test_episodes_with_the_real_model_and_generator(tiny_model_path, tokenizer):
     from minigrpo.model import load_policy
 
     torch.manual_seed(0)
-    policy = load_policy(TrainConfig(lora_rank=4, load_in_4bit=False), tiny_model_path, torch.float32)
+    policy = load_policy(TrainConfig(lora_rank=4, load_in_4bit=False, dtype="float32"), tiny_model_path, torch.float32)
     _, a = prompt(tokenizer)
     _, b = prompt(tokenizer, "Use the add tool to add 3 and 4.")
     episodes = run_episodes(HFGenerator(policy, tokenizer, report_logprobs=True), tokenizer, [add], [a, b], 3,
@@ -160,7 +160,7 @@ def test_a_step_trains_on_episodes_and_counts_only_the_models_tokens(tiny_model_
     assert info["tokens_generated"] == sum(map(sum, batch.model_masks)) < sum(map(len, batch.completion_ids))
     assert all(c[1] == {"role": "tool", "name": "add", "content": "42"} for c in batch.completions)
     torch.manual_seed(0)
-    policy = load_policy(TrainConfig(lora_rank=4, load_in_4bit=False), tiny_model_path, torch.float32)
+    policy = load_policy(TrainConfig(lora_rank=4, load_in_4bit=False, dtype="float32"), tiny_model_path, torch.float32)
     mb = micro_batches(cfg, batch, tokenizer.pad_token_id, "cpu")
     assert mb.full_mask.sum().item() == info["tokens_generated"]
     optimizer = torch.optim.SGD(lora_parameters(policy), lr=0.1)

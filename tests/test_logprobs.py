@@ -96,3 +96,70 @@ def test_gradients_flow_through_4bit_layers_after_generation(tiny_model_path):
     x_ref = x.detach().clone().requires_grad_(True)
     ((x_ref @ weight.t()) ** 2).sum().backward()
     assert x.grad is not None and torch.allclose(x.grad, x_ref.grad, atol=1e-3)
+
+
+def test_bf16_projections_keep_the_adapters_small_additions(tiny_model_path):
+    """With `bf16_base`, the frozen projections are stored and multiplied in bfloat16 but the model stays float32,
+    so a LoRA layer's addition, far below bf16's resolution of the base output, arrives whole; in an all-bfloat16
+    model the same addition is mostly rounded away (the control). The sampler's log-probs still equal the
+    trainer's, and the adapter still gets gradients."""
+    from minigrpo.generation import HFGenerator, Sampling
+    from minigrpo.model import Bf16Linear
+    from minigrpo.train import GAP_WARNING
+
+    def addition_error(policy):
+        layer = policy.get_base_model().model.layers[0].mlp.down_proj
+        x = torch.randn(4, 7, layer.in_features, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            torch.nn.init.normal_(layer.lora_B["default"].weight, std=1e-4, generator=torch.Generator().manual_seed(1))
+            out = layer(x.to(layer.lora_A["default"].weight.dtype if policy.dtype == torch.float32 else policy.dtype))
+            with policy.disable_adapter():
+                base = layer(x.to(out.dtype))
+            a, b = layer.lora_A["default"].weight.float(), layer.lora_B["default"].weight.float()
+            wanted = layer.scaling["default"] * x @ a.t() @ b.t()
+        return ((out.float() - base.float() - wanted).norm() / wanted.norm()).item()
+
+    mixed = load_policy(TrainConfig(lora_rank=4, load_in_4bit=False, bf16_base=True), tiny_model_path, torch.float32)
+    projections = [m for m in mixed.modules() if hasattr(m, "base_layer")]
+    assert projections and all(type(m.base_layer) is Bf16Linear and m.base_layer.weight.dtype == torch.bfloat16
+                               for m in projections)
+    assert all(p.dtype == torch.float32 for p in mixed.parameters() if p.requires_grad)
+    all_bf16 = load_policy(TrainConfig(lora_rank=4, load_in_4bit=False), tiny_model_path, torch.bfloat16)
+    kept, lost = addition_error(mixed), addition_error(all_bf16)
+    assert kept < 1e-3 and lost > 0.1, (kept, lost)
+
+    ids, attention, mask = _batch()
+    logps = token_logprobs(mixed, ids, attention, mask.shape[1])
+    logps[mask].sum().backward()
+    assert all(p.grad.abs().sum() > 0 for n, p in mixed.named_parameters() if "lora_B" in n)  # A's: zero while B is
+
+    # a one-token decoding step and a whole-sequence forward round to bf16 differently now and then, so the two
+    # log-probs differ a little (the loss corrects for it): less than the gap that warns of a stale sampler
+    prompt = ids[0][attention[0].bool()][:7].tolist()
+    torch.manual_seed(0)
+    out = HFGenerator(mixed, _Pad(), report_logprobs=True).generate([prompt], Sampling(4, 16))
+    gaps = []
+    for completion, sampled in zip(out.completion_ids, out.sampler_logps):
+        batch, att, _ = pad_batch([(prompt, completion)], 0, "cpu")
+        with torch.no_grad():
+            gaps += (token_logprobs(mixed, batch, att, len(completion))[0] - torch.tensor(sampled)).abs().tolist()
+    assert sum(gaps) / len(gaps) < GAP_WARNING, gaps
+
+
+class _Pad:  # what HFGenerator reads from a tokenizer
+    pad_token_id, eos_token_id = 0, None
+
+
+def test_the_loss_gets_the_samplers_logprobs_where_precision_is_reduced():
+    """In float32 our decode loop's log-probs are the trainer's; in bf16, fp16 or with bf16 projections they can
+    differ, so the generator reports its own for the loss to correct (truncated importance sampling) and log."""
+    from types import SimpleNamespace
+
+    from minigrpo.startup import make_generator
+
+    plan = SimpleNamespace(generator="hf")
+    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=2))
+    reports = {(dtype, bf16_base): make_generator(TrainConfig(bf16_base=bf16_base, load_in_4bit=False), model,
+                                                  _Pad(), plan, dtype).report_logprobs
+               for dtype, bf16_base in [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)]}
+    assert reports == {(torch.float32, False): False, (torch.float32, True): True, (torch.bfloat16, False): True}
