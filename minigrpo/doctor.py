@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from minigrpo.hardware import Gpu, compute_dtype, dtype_name, version_tuple, vllm_requirement, vllm_supported
+from minigrpo.hardware import (Gpu, bf16_projections, compute_dtype, dtype_name, version_tuple, vllm_requirement,
+                               vllm_supported)
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 MINIMUM = {"torch": "2.4", "transformers": "4.56", "peft": "0.17", "bitsandbytes": "0.45"}  # as pyproject.toml
@@ -109,14 +110,15 @@ def tiny_model(folder: Path) -> Path:
     return folder
 
 
-def check_training(folder: Path, dtype: torch.dtype, load_in_4bit: bool):
-    """Forward and backward through the real policy (4-bit base + LoRA on this device). Returns the check,
-    the policy and its tokenizer."""
+def check_training(folder: Path, dtype: torch.dtype, load_in_4bit: bool, bf16_base: bool = False):
+    """Forward and backward through the real policy (4-bit base + LoRA on this device; or a float32 one with
+    bf16 projections, a cpu's default). Returns the check, the policy and its tokenizer."""
     from minigrpo.config import TrainConfig
     from minigrpo.model import load_policy, load_tokenizer, lora_parameters, token_logprobs
 
     start = time.perf_counter()
-    cfg = TrainConfig(model=str(folder), lora_rank=8, load_in_4bit=load_in_4bit, gradient_checkpointing=True)
+    cfg = TrainConfig(model=str(folder), lora_rank=8, load_in_4bit=load_in_4bit, gradient_checkpointing=True,
+                      bf16_base=bf16_base)
     policy, tokenizer = load_policy(cfg, str(folder), dtype), load_tokenizer(str(folder))
     ids = torch.randint(0, 256, (2, 24), device=policy.device)
     logps = token_logprobs(policy, ids, torch.ones_like(ids), 8)  # [2, 8]
@@ -125,7 +127,8 @@ def check_training(folder: Path, dtype: torch.dtype, load_in_4bit: bool):
     finite = bool(torch.isfinite(logps).all()) and all(torch.isfinite(g).all() for g in grads)
     flowing = sum(g.abs().sum().item() for g in grads) > 0
     policy.zero_grad(set_to_none=True)
-    what = f"{'4-bit nf4' if load_in_4bit else dtype_name(dtype)} base + LoRA, forward and backward on {policy.device}"
+    base = "4-bit nf4" if load_in_4bit else "float32, bf16 projections," if bf16_base else dtype_name(dtype)
+    what = f"{base} base + LoRA, forward and backward on {policy.device}"
     status = OK if finite and flowing and grads else FAIL
     detail = f"{what}: {time.perf_counter() - start:.1f} s" if status == OK else (
         f"{what}: {'non-finite values' if not finite else 'no gradient reached the adapter'}")
@@ -219,6 +222,8 @@ def run_doctor(requested_dtype: str = "auto") -> list[Check]:
         load_in_4bit = found.get("bitsandbytes") is not None
         check, policy, tokenizer = check_training(folder, dtype, load_in_4bit)
         checks.append(check)
+        if bf16_projections(gpu is not None, requested_dtype, False, "auto"):  # what a cpu run uses by default
+            checks.append(check_training(folder, dtype, False, bf16_base=True)[0])
         if check.status == OK and vllm_available() and found.get("vllm") and vllm_supported(found["vllm"]):
             checks += check_engine(policy, tokenizer, dtype, gpu is not None)
     return checks

@@ -8,6 +8,7 @@ optimizer step the trainer calls `sync(model)` so the next rollout samples from 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -83,12 +84,13 @@ def decode(model, prompt_ids: list[list[int]], sampling: Sampling, eos_ids: list
     from transformers import DynamicCache
 
     dev = model.device
+    cache_arg = cache_keyword(model)
     width = max(len(ids) for ids in prompt_ids)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompt_ids], device=dev)  # [P, Lp]
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=dev)  # [P, Lp]
     cache = DynamicCache()
     out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                past_key_values=cache, use_cache=True, logits_to_keep=1)
+                **{cache_arg: cache}, use_cache=True, logits_to_keep=1)
     cache.batch_repeat_interleave(sampling.n)  # one prefill per prompt, copied to its G rows
     logits = out.logits[:, -1].repeat_interleave(sampling.n, dim=0)  # [B, V]
     mask = mask.repeat_interleave(sampling.n, dim=0)  # [B, Lp]
@@ -111,7 +113,7 @@ def decode(model, prompt_ids: list[list[int]], sampling: Sampling, eos_ids: list
             cache.batch_select_indices(keep)
         mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)  # [b, L + 1]
         out = model(input_ids=token[:, None], attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1,
-                    past_key_values=cache, use_cache=True)
+                    **{cache_arg: cache}, use_cache=True)
         logits = out.logits[:, -1]  # [b, V]
     return tokens, logps
 
@@ -132,6 +134,13 @@ def sample(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torc
     u = (1 - torch.rand(len(cdf), 1, device=cdf.device)) * cdf[:, -1:]  # (0, total]: never a zero-mass token
     token = torch.searchsorted(cdf, u).squeeze(-1).clamp(max=cdf.shape[1] - 1)  # [b]
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
+def cache_keyword(model) -> str:
+    """The name a model's forward takes its key/value cache by: `cache` from transformers 5.24 on (where the old
+    `past_key_values` warns, and is to go in 5.40), `past_key_values` before."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT's forward takes **kwargs
+    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
 
 
 def _eos_ids(model, tokenizer) -> list[int]:

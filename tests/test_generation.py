@@ -78,3 +78,29 @@ def test_greedy_decoding_matches_transformers_generate(model_and_prompts):
                                     eos_token_id=None, pad_token_id=tokenizer.pad_token_id, repetition_penalty=1.0,
                                     top_k=None, top_p=None, temperature=None)
         assert row == theirs[0, len(prompt):].tolist()
+
+
+def test_the_cache_goes_by_the_name_this_transformers_takes(model_and_prompts):
+    """transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name warns, and goes in 5.40):
+    the decode loop uses whichever the model takes, so it runs without the warning on either side of the rename."""
+    import warnings
+
+    from minigrpo.generation import cache_keyword
+
+    class Before:
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None, **kwargs): ...
+
+    class After:
+        def forward(self, input_ids=None, cache=None, use_cache=None, **kwargs): ...
+
+    class Wrapped:  # as PEFT wraps a model: its own forward takes **kwargs
+        def forward(self, *args, **kwargs): ...
+
+        def get_base_model(self):
+            return After()
+
+    assert [cache_keyword(m) for m in (Before(), After(), Wrapped())] == ["past_key_values", "cache", "cache"]
+    model, tokenizer, prompts = model_and_prompts
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        decode(model, prompts, Sampling(n=2, max_new_tokens=3), eos_ids=[], pad_id=tokenizer.pad_token_id)

@@ -477,6 +477,10 @@ def test_doctor_passes_on_this_cpu_for_real():
     for row in ("device", "torch", "bitsandbytes", "compute dtype", "code sandbox", "training"):
         assert row in output
     assert "ready" in output
+    from minigrpo.hardware import cpu_has_bf16
+
+    if cpu_has_bf16():  # a cpu run's default policy is checked too
+        assert "float32, bf16 projections, base + LoRA, forward and backward on cpu" in output, output
     for chatter in (" INFO ", "non-default args", "Loading safetensors", "Writing model shards", "FutureWarning"):
         assert chatter not in output, output
     try:
