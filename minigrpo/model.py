@@ -123,7 +123,7 @@ def load_policy(cfg: TrainConfig, weights: str, dtype: torch.dtype | None = None
     from peft import LoraConfig, get_peft_model
 
     base = load_base(weights, cfg.load_in_4bit, dtype or default_dtype(cfg.dtype),
-                     cfg.max_prompt_tokens + cfg.completion_tokens, cfg.micro_batch_size, bool(cfg.bf16_base))
+                     cfg.max_prompt_tokens + cfg.completion_tokens, cfg.micro_batch_size, cfg.bf16_base)
     base.config.use_cache = False  # training forward passes never reuse a kv cache
     for module in base.modules():
         # on cpus with avx512-bf16, bitsandbytes repacks a 4-bit weight for inference the first time it
@@ -267,7 +267,7 @@ def load_trained(adapter: str | Path | None, model: str | None = None, **overrid
     weights = resolve_weights(cfg.hub_id)
     tokenizer = load_tokenizer(weights)
     base = load_base(weights, cfg.load_in_4bit, default_dtype(cfg.dtype), cfg.max_prompt_tokens + cfg.completion_tokens,
-                     cfg.micro_batch_size, bool(cfg.bf16_base))
+                     cfg.micro_batch_size, cfg.bf16_base)
     if adapter:
         policy = PeftModel.from_pretrained(base, str(adapter))
     else:

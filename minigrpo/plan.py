@@ -182,7 +182,7 @@ class Settings:
                    min(prompt_tokens, cfg.max_prompt_tokens), cfg.completion_tokens, cfg.max_prompt_tokens,
                    cfg.lora_rank, cfg.load_in_4bit if cfg.load_in_4bit is not None else True, cfg.micro_batch_size,
                    cfg.logprob_chunk_size, cfg.gradient_checkpointing, cfg.dtype, cfg.generator,
-                   cfg.gpu_memory_utilization, bool(cfg.bf16_base))
+                   cfg.gpu_memory_utilization, cfg.bf16_base)
 
 
 @dataclass
