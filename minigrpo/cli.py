@@ -79,6 +79,8 @@ def train(
     top_p: float = typer.Option(1.0, help="Nucleus sampling threshold."),
     micro_batch_size: int = typer.Option(8, help="Completions per forward/backward pass."),
     generator: str = typer.Option("auto", help="vllm | hf | auto (vllm where installed and a GPU is present)."),
+    decoder: str = typer.Option("auto", help="transformers generation's decode loop: static (fixed shapes, a CUDA "
+                                             "graph per token on a card), eager (token by token), or auto."),
     gpu_memory_utilization: float = typer.Option(None, help="The vLLM engine's share of the card's memory "
                                                             "[default: sized from the model, see `minigrpo plan`]."),
     tis_cap: float = typer.Option(2.0, help="Cap of the truncated importance-sampling weight (0: off)."),

@@ -144,6 +144,56 @@ def bench_sandbox(runs: int = typer.Option(40, help="Programs per side, taken in
     Console().print(table)
 
 
+@bench_app.command("decode")
+@clear_errors
+def bench_decode_command(
+    preset: list[str] = typer.Option(["smollm2-135m", "qwen-1.5b"], "--preset",
+                                     help="Presets whose depth and layer kinds to copy (repeat)."),
+    rows: list[int] = typer.Option([1, 16, 64], "--rows", help="Rows decoded together (repeat)."),
+    threads: int = typer.Option(1, help="Torch threads on a cpu: one core measures the host's work alone."),
+    load_in_4bit: bool = typer.Option(None, "--4bit/--no-4bit",
+                                      help="nf4 base + LoRA as training uses them [default: where bitsandbytes is]."),
+    real: bool = typer.Option(False, "--real", help="Also the offline smollm2-135m's tokens/s at the quick start's "
+                                                    "shape (16 rows, 48 new tokens, its settings on this machine)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per measurement, for scripts."),
+) -> None:
+    """Host time, torch ops and syncs per new token: the eager decode loop beside the fixed-shape one, on models
+    of the presets' depth with tiny widths (what is left is the host's work, the floor of a token on a GPU)."""
+    from rich.table import Table
+
+    from minigrpo.bench_decode import as_json as to_json
+    from minigrpo.bench_decode import bench_decode, bench_real
+    from minigrpo.plan import SHAPES
+
+    for name in preset:
+        if name not in SHAPES:
+            raise ValueError(f"--preset {name}: not a preset ({', '.join(SHAPES)})")
+    console, found = Console(), []
+    emit = (lambda r: print(to_json(r), flush=True)) if as_json else (
+        lambda r: found.append(r) or console.print(f"  {r['preset']} rows {r['rows']} {r['path']}: "
+                                                   f"{r.get('host_ms_per_token', r.get('tokens_per_s'))}"))
+    results = bench_decode(tuple(preset), tuple(rows), load_in_4bit, threads, emit)
+    real_results = bench_real(emit=emit) if real else []
+    if as_json:
+        return
+    first = results[0] if results else {}
+    table = Table(title=f"host cost of a new token ({first.get('device')}, {first.get('cpu')}, "
+                        f"{first.get('threads')} thread(s), {'4-bit + LoRA' if first.get('4bit') else 'LoRA'})")
+    for column in ("preset", "rows", "path", "host ms/token", "ops/token", "syncs/token", "wall ms/token",
+                   "first call s", "host vs eager"):
+        table.add_column(column, justify="left" if column in ("preset", "path") else "right")
+    eager = {(r["preset"], r["rows"]): r["host_ms_per_token"] for r in results if r["path"] == "eager"}
+    for r in results:
+        ratio = r["host_ms_per_token"] / eager[(r["preset"], r["rows"])] if eager.get((r["preset"], r["rows"])) else 0
+        table.add_row(r["preset"], str(r["rows"]), r["path"], f"{r['host_ms_per_token']:.2f}", f"{r['ops_per_token']:.0f}",
+                      f"{r['syncs_per_token']:.3f}", f"{r['wall_ms_per_token']:.2f}", f"{r['first_call_s']:.2f}",
+                      f"{ratio:.2f}x")
+    console.print(table)
+    for r in real_results:
+        console.print(f"{r['preset']}, {r['rows']} rows, {r['path']}: {r['tokens_per_s']} new tokens/s "
+                      f"({r['seconds_per_rollout']} s a rollout, {r['threads']} threads, {r['cpu']})")
+
+
 @bench_app.command("model")
 @clear_errors
 def bench_model_command(

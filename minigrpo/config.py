@@ -75,6 +75,9 @@ class TrainConfig:
     temperature: float = 1.0  # sampling temperature; log-probs are taken at the same temperature
     top_p: float = 1.0  # nucleus sampling; 1.0 keeps the full distribution
     generator: str = "auto"  # "vllm", "hf", or "auto": vllm where it is installed and a GPU is present
+    # transformers generation's decode loop: "static" (fixed shapes, a few host calls a token, a CUDA graph on a
+    # card: static_decode.py), "eager" (the model's own modules token by token), or auto: static where it can
+    decoder: str = "auto"
     gpu_memory_utilization: float | None = None  # the vllm engine's share of the card; None: sized by the plan
     tis_cap: float = 2.0  # truncated importance sampling: cap on trainer/sampler probability ratios; 0 off
 
@@ -182,6 +185,7 @@ class TrainConfig:
             (self.temperature > 0, "temperature must be > 0 (GRPO needs sampling; use a small value, not 0)"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (self.generator in ("auto", "vllm", "hf"), "generator must be auto, vllm or hf"),
+            (self.decoder in ("auto", "static", "eager"), "decoder must be auto, static or eager"),
             (self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization < 1,
              "gpu_memory_utilization must be in (0, 1), or left out to size it from the model (`minigrpo plan`)"),
             (self.dtype in ("auto", "bfloat16", "float16", "float32"),

@@ -8,19 +8,16 @@ optimizer step the trainer calls `sync(model)` so the next rollout samples from 
 from __future__ import annotations
 
 import contextlib
-import inspect
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from minigrpo.model import cache_keyword
+from minigrpo.sampling import Sampling, sample
+from minigrpo.static_decode import StaticDecoder, Unsupported
 
-@dataclass
-class Sampling:
-    n: int  # completions per prompt (G)
-    max_new_tokens: int
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0
+__all__ = ["Generator", "HFGenerator", "Rollout", "Sampling", "cache_keyword", "decode", "sample"]
 
 
 @dataclass
@@ -40,28 +37,37 @@ class Generator(Protocol):
 
 
 class HFGenerator:
-    """Sampling with the training model itself, token by token: no second copy, always in sync.
+    """Sampling with the training model itself: no second copy of the model, always in sync.
 
-    Our own decode loop rather than `model.generate`, for three reasons measured on CPU (the place this
-    generator runs most): each distinct prompt is prefilled once and its cache copied to its G rows, not
-    prefilled G times; a row that ends leaves the batch, so the rest compute without it; and sampling is
-    one inverse-CDF draw per row rather than `torch.multinomial`'s exponential draw over the whole
-    vocabulary. It samples with exactly the settings the trainer's log-probs assume (temperature, top-p,
-    nothing else): the model's own `generation_config` (a repetition penalty, top-k, banned words) plays no
-    part. With `report_logprobs` it returns its own log-probs of what it sampled, as the vLLM engine does
-    (tests and `minigrpo doctor` compare them with the trainer's)."""
+    Two decode loops over the same weights. Where the model's layout allows (Llama, Qwen2, Mistral), the
+    fixed-shape one (`static_decode.py`): a handful of host calls per new token, one CUDA graph replay on a
+    card, the adapter refreshed in place by `sync`. Otherwise, and with `decoder="eager"`, our loop over the
+    trainer's own modules (`decode`). Both prefill each distinct prompt once and copy its cache to its G rows,
+    and sample with exactly the settings the trainer's log-probs assume (temperature, top-p, nothing else): the
+    model's own `generation_config` (a repetition penalty, top-k, banned words) plays no part. With
+    `report_logprobs` it returns its own log-probs of what it sampled, as the vLLM engine does (tests and
+    `minigrpo doctor` compare them with the trainer's)."""
 
-    def __init__(self, model, tokenizer, report_logprobs: bool = False):
+    def __init__(self, model, tokenizer, report_logprobs: bool = False, decoder: str = "auto", say=print):
         self.model = model
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = _eos_ids(model, tokenizer)
         self.report_logprobs = report_logprobs
+        self.decoder, self.say, self.static = decoder, say, None
+        if decoder != "eager":
+            try:
+                self.static = StaticDecoder.build(model)
+            except Unsupported as why:
+                if decoder == "static":
+                    raise ValueError(f"--decoder static cannot decode this model: {why}; use --decoder auto") from None
+                say(f"decoding token by token through the model's own modules: {why}")
 
     def sync(self, model) -> None:
-        pass  # it samples from the very model being trained
+        if self.static is not None:  # the adapter's new weights into the fixed-shape decoder's tensors, in place
+            self.static.refresh()
 
     def close(self) -> None:
-        pass
+        self.static = None  # its cache, graphs and (for a 4-bit base) dense weights go back
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling, base: bool = False) -> Rollout:
@@ -69,11 +75,23 @@ class HFGenerator:
         self.model.eval()
         try:
             with self.model.disable_adapter() if base else contextlib.nullcontext():
-                tokens, logps = decode(self.model, prompt_ids, sampling, self.eos_ids, self.pad_id)
+                tokens, logps = self._decode(prompt_ids, sampling, base)
         finally:
             self.model.train(was_training)
         ended = [bool(row) and row[-1] in self.eos_ids for row in tokens]
         return Rollout(tokens, [not e for e in ended], logps if self.report_logprobs else None)
+
+    def _decode(self, prompt_ids, sampling: Sampling, base: bool):
+        if self.static is not None:
+            try:
+                return self.static.decode(prompt_ids, sampling, self.eos_ids, self.pad_id, adapters=not base)
+            except Exception as error:  # a graph that cannot be captured, an op this torch lacks: say so, go on
+                if self.decoder == "static":
+                    raise
+                self.static = None
+                self.say(f"fixed-shape decoding failed ({type(error).__name__}: {str(error)[:160]}); decoding "
+                         f"token by token through the model's own modules from now on")
+        return decode(self.model, prompt_ids, sampling, self.eos_ids, self.pad_id)
 
 
 def decode(model, prompt_ids: list[list[int]], sampling: Sampling, eos_ids: list[int],
@@ -116,31 +134,6 @@ def decode(model, prompt_ids: list[list[int]], sampling: Sampling, eos_ids: list
                     **{cache_arg: cache}, use_cache=True)
         logits = out.logits[:, -1]  # [b, V]
     return tokens, logps
-
-
-def sample(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row from softmax(logits / temperature) restricted to the top-p nucleus (greedy at
-    temperature 0), and its log-prob under that distribution. logits: [b, V] -> [b], [b]."""
-    if sampling.temperature == 0:
-        token = logits.argmax(-1)
-        return token, logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
-    logits = logits / sampling.temperature
-    if sampling.top_p < 1.0:  # keep the most likely tokens until their mass reaches top_p
-        probs, order = logits.softmax(-1).sort(-1, descending=True)  # [b, V]
-        outside = probs.cumsum(-1) - probs > sampling.top_p  # the mass before this token already covers top_p
-        logits = logits.scatter(-1, order, logits.gather(-1, order).masked_fill(outside, float("-inf")))
-    logp = logits.log_softmax(-1)  # [b, V]
-    cdf = logp.exp().cumsum(-1)  # [b, V]
-    u = (1 - torch.rand(len(cdf), 1, device=cdf.device)) * cdf[:, -1:]  # (0, total]: never a zero-mass token
-    token = torch.searchsorted(cdf, u).squeeze(-1).clamp(max=cdf.shape[1] - 1)  # [b]
-    return token, logp.gather(-1, token[:, None]).squeeze(-1)
-
-
-def cache_keyword(model) -> str:
-    """The name a model's forward takes its key/value cache by: `cache` from transformers 5.24 on (where the old
-    `past_key_values` warns, and is to go in 5.40), `past_key_values` before."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT's forward takes **kwargs
-    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
 
 
 def _eos_ids(model, tokenizer) -> list[int]:

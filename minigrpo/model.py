@@ -6,6 +6,7 @@ so a run holds one copy of the base, never two.
 
 from __future__ import annotations
 
+import inspect
 import json
 import random
 import warnings
@@ -226,6 +227,13 @@ def full_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
                    position_ids=positions(attention_mask)).logits.float() / temperature  # [B, L, V]
     logps = F.log_softmax(logits[:, -n_completion - 1:-1], dim=-1)  # [B, T, V]
     return logps.gather(-1, input_ids[:, -n_completion:].unsqueeze(-1)).squeeze(-1)  # [B, T]
+
+
+def cache_keyword(model) -> str:
+    """The name a model's forward takes its key/value cache by: `cache` from transformers 5.24 on (where the old
+    `past_key_values` warns, and is to go in 5.40), `past_key_values` before."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT's forward takes **kwargs
+    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
 
 
 def adapter_folder(path: str | Path) -> Path:

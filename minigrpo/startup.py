@@ -128,7 +128,7 @@ def make_generator(cfg, model, tokenizer, plan, dtype: torch.dtype, say=print) -
     # sampler's own log-probs go to the loss, which corrects for the gap (truncated importance sampling) and logs it
     exact = dtype == torch.float32 and not cfg.bf16_base
     if plan.generator == "hf":
-        return HFGenerator(model, tokenizer, report_logprobs=not exact)
+        return HFGenerator(model, tokenizer, report_logprobs=not exact, decoder=cfg.decoder, say=say)
     if not vllm_available():
         raise ValueError("--generator vllm needs vLLM: pip install \"$(minigrpo doctor --vllm-requirement)\" "
                          "(the build for this machine), or train with --generator hf")
@@ -147,7 +147,7 @@ def make_generator(cfg, model, tokenizer, plan, dtype: torch.dtype, say=print) -
             raise SetupError(f"the vLLM engine could not start ({why}). Train with --generator hf, which needs "
                              f"no engine, or see `minigrpo doctor`.") from error
         say(f"[yellow]the vLLM engine could not start ({why}); generating with transformers instead[/]")
-        return HFGenerator(model, tokenizer, report_logprobs=not exact)
+        return HFGenerator(model, tokenizer, report_logprobs=not exact, decoder=cfg.decoder, say=say)
 
 
 def first_rollout_problem(loaded: Loaded, cfg: TrainConfig, prompt: str = "Count from one to ten.") -> str | None:

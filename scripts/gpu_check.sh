@@ -2,10 +2,11 @@
 # The GPU path, checked on a real card, every figure written to one file:
 #   1. `minigrpo doctor` (the card's facts, the dtype it chose and why, 4-bit + LoRA forward/backward on it);
 #   2. `minigrpo plan` for this card and for a T4, from the preset's shape alone (the estimate);
-#   3. `transformers` decoding of the preset (random weights): milliseconds per new token at 1, 8 and 32 rows,
-#      with and without the adapters, torch ops per token, and the share of a token's wall time the card spends
-#      in kernels: whether decoding is bound by the card or by launching kernels one at a time, the figure that
-#      sizes every later stage;
+#   3. `transformers` decoding of the preset (random weights, 4-bit + LoRA): milliseconds per new token at 1, 8
+#      and 32 rows, the fixed-shape loop (a CUDA graph per token) beside the eager one, with host time, torch ops,
+#      kernel launches (and their mean host time) and syncs per token, and the share of a token's wall time the
+#      card spends in kernels; then `minigrpo bench decode` on models of the preset's depth and tiny widths (the
+#      host's cost alone);
 #   4. `minigrpo bench model` on the preset with random weights of its shape (measured: s/step, tokens/s,
 #      peak and reserved memory beside the plan's estimate);
 #   5. the T4's float16 path on this card: `doctor --dtype float16` and three training steps in float16
@@ -23,8 +24,10 @@
 #   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux_2_24_x86_64 -d .gpu/wheels bitsandbytes==0.50.2   # beforehand, where pip works
 #
+# A CPU dry run with the stages scaled down (what the tests run): MODEL=smollm2-135m DECODE_ROWS=2 DECODE_TOKENS="2 4"
+# DECODE_BENCH_ROWS=2 STAGES="plan decode".
 # Overrides: STAGES (default "doctor plan decode bench fp16 export"), MODEL, EXPORT_MODEL, SMALL, BENCH_ARGS,
-# DECODE_ROWS, and DOCTOR_S, DECODE_S, BENCH_S, FP16_S, EXPORT_S (limits in seconds). A dry run on a cpu: MODEL=smollm2-135m
+# DECODE_ROWS, DECODE_TOKENS, DECODE_BENCH_ROWS, and DOCTOR_S, DECODE_S, BENCH_S, FP16_S, EXPORT_S (limits in seconds). A dry run on a cpu: MODEL=smollm2-135m
 # BENCH_ARGS="-G 2 --max-new-tokens 8 --steps 2".
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -73,45 +76,30 @@ print(json.dumps({"device": str(policy.device), "dtype": str(dtype), "exported_g
                   "largest_shard_gb": round(max(shards), 3), "extra_device_gb": round(extra, 3)}))
 PY
 }
-decode_speed() {  # decode_speed FOLDER: ms per new token of `transformers` decoding, adapters on and off
-  python - "$1" "${DECODE_ROWS:-1 8 32}" <<'PY'
-import json, sys, time
-import torch
+decode_speed() {  # decode_speed FOLDER: ms per new token of `transformers` decoding, eager and fixed-shape loops
+  python - "$1" "${DECODE_ROWS:-1 8 32}" "${DECODE_TOKENS:-3 35}" <<'PY'
+import json, sys
+from minigrpo.bench_decode import cpu_model, measure
 from minigrpo.config import TrainConfig
-from minigrpo.generation import HFGenerator, Sampling
+from minigrpo.generation import HFGenerator
 from minigrpo.model import default_dtype, load_policy, load_tokenizer
 path, dtype = sys.argv[1], default_dtype()
-policy = load_policy(TrainConfig(load_in_4bit=True), path, dtype)
-generator, prompt = HFGenerator(policy, load_tokenizer(path)), [list(range(10, 74))]  # one 64-token prompt
-wait = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+policy = load_policy(TrainConfig(load_in_4bit=True), path, dtype).eval()
+tokenizer = load_tokenizer(path)
 for rows in map(int, sys.argv[2].split()):
-    for base in (False, True):  # base: the adapters off, the 4-bit layers alone
-        generator.generate(prompt, Sampling(rows, 4), base=base)  # warm-up
-        wait()
-        start = time.perf_counter()
-        made = generator.generate(prompt, Sampling(rows, 32), base=base)
-        wait()
-        seconds, longest = time.perf_counter() - start, max(map(len, made.completion_ids))
-        print(json.dumps({"rows": rows, "adapters": not base, "new_tokens": longest, "dtype": str(dtype),
-                          "ms_per_token": round(1000 * seconds / longest, 2),
-                          "tokens_per_s": round(rows * longest / seconds, 1)}), flush=True)
-# on a card, the profiler also times the kernels: if they keep the card busy for a small share of the wall
-# time, each token waits on python launching ops one at a time, not on the card's arithmetic
-activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * torch.cuda.is_available()
-with torch.profiler.profile(activities=activities) as profile:
-    start = time.perf_counter()
-    generator.generate(prompt, Sampling(1, 9))  # a prefill and eight decoding steps
-    wait()
-    wall_ms = 1000 * (time.perf_counter() - start)
-ops = [e for e in profile.events() if e.cpu_parent is None and e.name.startswith("aten::")]
-kernel_ms = sum(k.self_device_time_total for k in profile.key_averages()) / 1000
-print(json.dumps({"torch_ops_per_new_token": len(ops) // 9, "device": str(policy.device),
-                  "profiled_wall_ms_per_token": round(wall_ms / 9, 2),
-                  "kernel_ms_per_token": round(kernel_ms / 9, 3) if torch.cuda.is_available() else None,
-                  "card_busy_share": round(kernel_ms / wall_ms, 3) if torch.cuda.is_available() else None}))
+    for decoder in ("static", "eager"):  # the new loop first: its figures matter most if the stage runs out of time
+        lengths = tuple(map(int, sys.argv[3].split()))  # two decodes whose difference is the per-token figure
+        figures = measure(HFGenerator(policy, tokenizer, decoder=decoder), rows, repeats=1, lengths=lengths)
+        print(json.dumps({"rows": rows, "path": decoder, "dtype": str(dtype), "device": str(policy.device),
+                          "cpu": cpu_model(), **figures}), flush=True)
 PY
 }
-export -f random_model export_memory decode_speed
+preset_flags() {  # preset_flags PRESET: the preset's settings as flags, for a random model passed as a folder
+  python -c "import sys; from minigrpo.config import PRESETS; p = PRESETS[sys.argv[1]]
+print(f'--max-new-tokens {p.max_new_tokens} --num-generations {p.num_generations} --prompts-per-step '
+      f'{p.prompts_per_step} --lora-rank {p.lora_rank} --learning-rate {p.learning_rate}')" "$1"
+}
+export -f random_model export_memory decode_speed preset_flags
 export work
 
 {
@@ -134,15 +122,16 @@ PY
   stage doctor ${DOCTOR_S:-90} "minigrpo doctor" python -m minigrpo.cli doctor
   stage plan 40 "minigrpo plan (the estimate, before any run): this card, then a T4" \
     bash -c "python -m minigrpo.cli plan --model $model && python -m minigrpo.cli plan --model $model --gpu t4"
-  stage decode ${DECODE_S:-150} "transformers decoding of $model (random weights): ms per new token" bash -c "
-    folder=\$(random_model $model $work/big | tail -1) && decode_speed \$folder"
+  stage decode ${DECODE_S:-240} "transformers decoding of $model (random weights): ms per new token" bash -c "
+    folder=\$(random_model $model $work/big | tail -1) && decode_speed \$folder &&
+    python -m minigrpo.cli bench decode --preset $model $(printf -- '--rows %s ' ${DECODE_BENCH_ROWS:-1 16 64}) --json"
   # shellcheck disable=SC2086  # the arguments are meant to split
   stage bench ${BENCH_S:-300} "minigrpo bench model (measured)" python -m minigrpo.cli bench model --model "$model" --random-weights \
     $bench_args
   stage fp16 40 "float16, as on a T4: doctor" python -m minigrpo.cli doctor --dtype float16
   stage fp16 ${FP16_S:-80} "float16, as on a T4: three training steps of $small (random weights)" bash -c "
     folder=\$(random_model $small $work/small | tail -1) &&
-    python -m minigrpo.cli train --model \$folder --task addition --steps 3 --dtype float16 --generator hf \
+    python -m minigrpo.cli train --model \$folder \$(preset_flags $small) --task addition --steps 3 --dtype float16 --generator hf \
       --output-dir $work/run-fp16 --sample-every 0 --no-eval-before-after && tail -n 3 $work/run-fp16/metrics.jsonl"
   stage export ${EXPORT_S:-120} "export of $export_model's 4-bit policy, streamed" bash -c "
     folder=\$(random_model $export_model $work/big-export | tail -1) && export_memory \$folder"

@@ -1,0 +1,217 @@
+"""`minigrpo bench decode`: the host's cost of a new token, the eager decode loop beside the fixed-shape one.
+
+The models have each preset's depth and layer kinds (attention heads, key/value heads, biases) but tiny widths
+and vocabulary, random weights built in memory: their arithmetic is close to nothing, so what a token costs is
+the host's work of issuing it (Python, dispatch, kernel launches). On a GPU that work is the floor of a token,
+whatever the card, so this figure measured on a CPU is the proxy for a card's decode speed. The policy is built
+as training builds it (4-bit NF4 + LoRA where bitsandbytes is installed, adapters non-zero).
+
+Per token figures come from two decodes of different lengths, differenced, so the prefill and the setup cancel:
+host ms from `time.process_time` (other jobs on the machine do not inflate it), torch ops (top-level aten and
+bitsandbytes calls) and host-device syncs (`aten::_local_scalar_dense`, and device-to-host copies on a card)
+from the profiler. `first_call_s` is the first decode's wall time at that shape (on a card, the CUDA graph's
+capture included): the warm-up paid once per shape.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from minigrpo.config import TrainConfig
+from minigrpo.sampling import Sampling
+
+PATHS = ("eager", "static")
+SHORT, LONG = 3, 35  # new tokens of the two decodes whose difference is 32 tokens' work
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def depth_only(preset: str, folder: Path, head_dim: int = 8, vocab: int = 512, layers: int | None = None) -> str:
+    """Random weights with the preset's depth (or `layers`), head counts and layer kinds, 8 dims a head: a
+    folder to load."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from minigrpo.plan import SHAPES
+
+    kind, shape = SHAPES[preset]
+    hidden = shape["num_attention_heads"] * head_dim
+    config = AutoConfig.for_model(kind, max_position_embeddings=4096, **dict(
+        shape, hidden_size=hidden, head_dim=head_dim, intermediate_size=2 * hidden, vocab_size=vocab,
+        num_hidden_layers=layers or shape["num_hidden_layers"]))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return str(folder)
+
+
+def _policy(folder: str, load_in_4bit: bool):
+    from minigrpo.model import default_dtype, load_policy
+
+    cfg = TrainConfig(lora_rank=16, load_in_4bit=load_in_4bit, bf16_base=False,
+                      dtype="auto" if torch.cuda.is_available() else "float32")
+    policy = load_policy(cfg, folder, default_dtype(cfg.dtype)).eval()
+    policy.generation_config.eos_token_id = None  # no token ends a row: every decode runs to its limit
+    with torch.no_grad():  # a trained adapter's size, so its matmuls are not skipped as zeros anywhere
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.02)
+    return policy
+
+
+class _Pad:  # what HFGenerator reads from a tokenizer; eos outside the vocabulary: every decode runs to its limit
+    pad_token_id, eos_token_id = 0, 512
+
+
+def _wait() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+def _counts(generate, rows: int, n: int) -> dict:
+    """Torch ops, syncs, kernel launches (and their host microseconds) and card-busy milliseconds of one decode
+    of `n` new tokens for `rows` rows."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profile:
+        generate(rows, n)
+        _wait()
+    events = profile.events()
+    on_card = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    top = [e for e in events if e.cpu_parent is None and e.device_type == torch.autograd.DeviceType.CPU]
+    launches = [e for e in events if e.name in LAUNCHES]
+    return {"ops": sum(e.name.startswith(("aten::", "bitsandbytes::")) or e.name in LAUNCHES for e in top),
+            "syncs": sum(e.name == "aten::_local_scalar_dense" for e in events)
+            + sum("DtoH" in e.name or "Device -> Host" in e.name for e in on_card),
+            "launches": len(launches), "launch_us": sum(e.cpu_time_total for e in launches),
+            "busy_ms": sum(e.self_device_time_total for e in on_card) / 1000}
+
+
+def measure(generator, rows: int, repeats: int = 2, lengths: tuple[int, int] = (SHORT, LONG)) -> dict:
+    """Per-token figures of one generator at `rows` rows, from decodes of `lengths` new tokens (see the module's
+    docstring)."""
+    short_n, long_n = lengths
+    prompt = [list(range(10, 74))]  # one 64-token prompt, every row continuing it
+
+    def generate(r: int, n: int) -> None:
+        generator.generate(prompt, Sampling(r, n))
+
+    start = time.perf_counter()
+    generate(rows, short_n)
+    _wait()
+    first = time.perf_counter() - start
+
+    def host(n: int) -> tuple[float, float]:
+        best = (float("inf"), float("inf"))
+        for _ in range(repeats):
+            cpu, wall = time.process_time(), time.perf_counter()
+            generate(rows, n)
+            _wait()
+            best = min(best, (time.process_time() - cpu, time.perf_counter() - wall))
+        return best
+
+    (cpu_short, wall_short), (cpu_long, wall_long) = host(short_n), host(long_n)
+    short, long = _counts(generate, rows, short_n), _counts(generate, rows, long_n)
+    tokens = long_n - short_n
+    per_token = {k: (long[k] - short[k]) / tokens for k in long}
+    wall_ms = 1000 * (wall_long - wall_short) / tokens
+    figures = {"host_ms_per_token": round(1000 * (cpu_long - cpu_short) / tokens, 2),
+               "wall_ms_per_token": round(wall_ms, 2),
+               "ops_per_token": round(per_token["ops"], 1),
+               "syncs_per_token": round(per_token["syncs"], 3),
+               "first_call_s": round(first, 2)}
+    if torch.cuda.is_available():
+        figures["launches_per_token"] = round(per_token["launches"], 1)
+        figures["launch_mean_us"] = round(per_token["launch_us"] / per_token["launches"], 2) \
+            if per_token["launches"] > 0 else None
+        figures["card_busy_share"] = round(per_token["busy_ms"] / wall_ms, 3) if wall_ms > 0 else None
+    return figures
+
+
+def bench_decode(presets=("smollm2-135m", "qwen-1.5b"), rows=(1, 16, 64), load_in_4bit: bool | None = None,
+                 threads: int = 1, emit=print) -> list[dict]:
+    """Every preset x rows x path; each result is handed to `emit` as it is measured, and returned."""
+    from minigrpo.console import quiet_libraries
+    from minigrpo.generation import HFGenerator
+
+    quiet_libraries()
+    if load_in_4bit is None:
+        load_in_4bit = _has_bitsandbytes()
+    if not torch.cuda.is_available():
+        torch.set_num_threads(threads)
+    where = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "cpu": cpu_model(),
+             "threads": torch.get_num_threads(), "4bit": load_in_4bit}
+    results = []
+    for preset in presets:
+        with tempfile.TemporaryDirectory(prefix="minigrpo-decode-") as tmp:
+            policy = _policy(depth_only(preset, Path(tmp)), load_in_4bit)
+            generators = {path: HFGenerator(policy, _Pad(), decoder=path) for path in PATHS}
+            for r in rows:
+                for path in PATHS:  # side by side at each shape, so a noisy moment hurts both alike
+                    result = {"preset": preset, "rows": r, "path": path, **measure(generators[path], r), **where}
+                    results.append(result)
+                    emit(result)
+            del generators, policy
+    return results
+
+
+def bench_real(rows: int = 16, new_tokens: int = 48, threads: int | None = None, emit=print) -> list[dict]:
+    """The offline smollm2-135m at the quick start's shape (2 prompts x 8 completions, 48 new tokens) with the
+    quick start's settings on this machine: new tokens per second of each path, over the same prompts."""
+    from minigrpo.generation import HFGenerator
+    from minigrpo.model import default_dtype, load_policy, load_tokenizer
+    from minigrpo.rollout import render_prompt
+    from minigrpo.tasks import get_task
+    from minigrpo.weights import OFFLINE_HUB_ID, resolve_weights
+
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = TrainConfig()
+    weights = resolve_weights(OFFLINE_HUB_ID)
+    tokenizer = load_tokenizer(weights)
+    policy = load_policy(cfg, weights, default_dtype(cfg.dtype)).eval()
+    rows_data = get_task("addition").make_data("train", 0)[:rows // cfg.num_generations]
+    prompts = [tokenizer(render_prompt(tokenizer, r["prompt"]), add_special_tokens=False).input_ids for r in rows_data]
+    results = []
+    for path in PATHS:
+        generator = HFGenerator(policy, tokenizer, decoder=path)
+        generator.generate(prompts, Sampling(cfg.num_generations, 4))  # warm-up
+        made, start = 0, time.perf_counter()
+        for seed in range(3):
+            torch.manual_seed(seed)
+            made += sum(map(len, generator.generate(prompts, Sampling(cfg.num_generations, new_tokens)).completion_ids))
+        seconds = time.perf_counter() - start
+        result = {"preset": "smollm2-135m (real weights)", "rows": len(prompts) * cfg.num_generations, "path": path,
+                  "tokens_per_s": round(made / seconds, 1), "seconds_per_rollout": round(seconds / 3, 2),
+                  "bf16_projections": cfg.bf16_base, "threads": torch.get_num_threads(), "cpu": cpu_model()}
+        results.append(result)
+        emit(result)
+    return results
+
+
+def _has_bitsandbytes() -> bool:
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def as_json(result: dict) -> str:
+    return json.dumps(result)

@@ -1,0 +1,301 @@
+"""Decoding with fixed shapes: a handful of host calls per new token, one replayed CUDA graph on a card.
+
+`generation.decode` runs the trainer's own modules token by token: ~4,000 torch ops and ~200 bitsandbytes calls
+per new token from Python, 100 ms of host time at a 1.5B model's depth whatever the card, which the card spends
+waiting. This decoder reads the same weights through a flat, fixed-shape step instead:
+
+- each block's projections fused into four matmuls (q|k|v, o, gate|up, down), the frozen base weights kept in
+  the compute precision (a 4-bit base dequantized once, since it never changes; a 16-bit base re-pointed at the
+  fused tensor, so no second copy), and the LoRA adapters beside them, unmerged, in two small matmuls per
+  fused projection (`A` stacked, `B` block-diagonal with the scaling folded in);
+- a static key/value cache sized for the rollout (prompt width rounded up, plus `max_new_tokens`); a finished
+  row keeps decoding masked and its tokens past eos are dropped at the end, so no shape changes;
+- rotary embeddings as one small batched matmul per layer, from a rotation built once per token;
+- sampling (`sampling.sample`, the trainer's temperature and top-p) inside the step, its tokens and log-probs
+  written to device buffers; the host reads "has every row ended?" once per `CHECK_EVERY` tokens.
+
+On CUDA the step is captured once per batch shape as a CUDA graph and replayed per token (one launch); the
+adapter's tensors are refreshed in place after each optimizer step, so a graph never goes stale and nothing
+recompiles. Where the model is not one of the supported layouts (Llama, Qwen2, Mistral) `StaticDecoder.build`
+says why and the caller decodes as before.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from minigrpo.model import cache_keyword
+from minigrpo.sampling import Sampling, sample
+
+CHECK_EVERY = 8  # new tokens between host reads of "has every row ended?" (the only sync while decoding)
+WIDTH_STEP = 64  # prompt widths are rounded up to this, so rollouts of similar prompts share one graph
+LAYOUTS = ("llama", "qwen2", "mistral")  # pre-norm blocks, rotary attention, SwiGLU: the step below
+GROUPS = {"qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")), "o": ("self_attn", ("o_proj",)),
+          "gate_up": ("mlp", ("gate_proj", "up_proj")), "down": ("mlp", ("down_proj",))}
+
+
+class Unsupported(Exception):
+    """This model cannot use the static decoder; the message says why in a few words."""
+
+
+def base_weight(linear: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """A frozen projection's weight as a dense matrix [out, in]: a 4-bit one dequantized to `dtype`, a dense one
+    as stored (a bf16 projection in a float32 model stays bf16: it multiplies in bf16, as in training)."""
+    weight = linear.weight
+    if getattr(weight, "quant_state", None) is not None:
+        import bitsandbytes.functional as bnbf
+
+        return bnbf.dequantize_4bit(weight.data, weight.quant_state).to(dtype)
+    return weight.data
+
+
+class Projection:
+    """Some projections of one block that read the same input, fused: y = (x W^T + b) + (x A^T) B^T, where
+    W holds the base's weights stacked, A the adapters' down-projections stacked and B their up-projections
+    on a block diagonal, each scaled by its adapter's alpha / r."""
+
+    def __init__(self, modules: list, stream: torch.dtype):
+        bases = [getattr(m, "base_layer", m) for m in modules]
+        weights = [base_weight(b, stream) for b in bases]
+        self.weight = torch.cat(weights)  # [out, in]
+        if not any(getattr(b.weight, "quant_state", None) is not None for b in bases):
+            start = 0  # the base's own layers read views of the fused tensor: one copy of the weights, not two
+            for b, w in zip(bases, weights):
+                b.weight.data = self.weight[start:start + len(w)]
+                start += len(w)
+        biases = [b.bias.data if b.bias is not None else None for b in bases]
+        self.bias = None if all(x is None for x in biases) else torch.cat(
+            [x if x is not None else w.new_zeros(len(w)) for x, w in zip(biases, weights)]).to(self.weight.dtype)
+        self.modules = modules
+        ranks = [m.lora_A["default"].weight.shape[0] for m in modules] if _has_lora(modules) else []
+        self.A = self.B = None
+        if ranks:
+            self.A = self.weight.new_zeros(sum(ranks), self.weight.shape[1], dtype=stream)  # [R, in]
+            self.B = self.weight.new_zeros(sum(ranks), self.weight.shape[0], dtype=stream)  # [R, out]: B^T
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Copy the adapters' current weights into A and B, in place (a captured graph reads these tensors)."""
+        if self.A is None:
+            return
+        r0 = o0 = 0
+        for m in self.modules:
+            a, b = m.lora_A["default"].weight, m.lora_B["default"].weight  # [r, in], [out, r]
+            r, out = a.shape[0], b.shape[0]
+            self.A[r0:r0 + r].copy_(a)
+            self.B[r0:r0 + r, o0:o0 + out].copy_(b.T * m.scaling["default"])
+            r0, o0 = r0 + r, o0 + out
+
+    def __call__(self, x: torch.Tensor, adapters: bool) -> torch.Tensor:
+        if self.weight.dtype == x.dtype:
+            y = F.linear(x, self.weight, self.bias)  # [b, out]
+        else:  # a bf16 projection in a float32 model: multiply in bf16, add the adapter in float32
+            y = F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)  # [b, out]
+        if adapters and self.A is not None:
+            y = torch.addmm(y, F.linear(x, self.A), self.B)  # [b, out] + [b, R] @ [R, out]
+        return y
+
+
+def _has_lora(modules) -> bool:
+    return all(hasattr(m, "lora_A") and "default" in m.lora_A for m in modules)
+
+
+class StaticDecoder:
+    """The policy's weights read by a fixed-shape decode step (see the module's docstring). Build it once per
+    run with `build`; call `refresh` after each optimizer step; `decode` is `generation.decode`'s drop-in."""
+
+    def __init__(self, model, stream: torch.dtype):
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        config = inner.config
+        self.model, self.inner, self.config = model, inner, config
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.stream = stream
+        self.scale = getattr(inner.model.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
+        self.blocks = []
+        for layer in inner.model.layers:
+            block = {"norm1": layer.input_layernorm, "norm2": layer.post_attention_layernorm}
+            for name, (part, names) in GROUPS.items():
+                block[name] = Projection([getattr(getattr(layer, part), n) for n in names], stream)
+            self.blocks.append(block)
+        self.graphs: dict = {}  # (rows, width, sampling) -> (state, graph): one captured step per batch shape
+        self.states_built = 0  # how many times a batch shape's buffers (and, on a card, its graph) were made
+
+    @classmethod
+    def build(cls, model) -> "StaticDecoder":
+        """The decoder for `model`, or `Unsupported` saying why it cannot read this model."""
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        config = getattr(inner, "config", None)
+        if config is None or not hasattr(getattr(inner, "model", None), "layers"):
+            raise Unsupported("not a transformers decoder model")
+        if config.model_type not in LAYOUTS:
+            raise Unsupported(f"a {config.model_type} model (fixed-shape decoding knows {', '.join(LAYOUTS)})")
+        if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "use_sliding_window", False):
+            raise Unsupported("a block unlike Llama's (activation or sliding-window attention)")
+        if getattr(config, "rope_parameters", None) and config.rope_parameters.get("rope_type") in ("dynamic",):
+            raise Unsupported("dynamic rope scaling (positions' frequencies change with the length)")
+        stream = inner.model.embed_tokens.weight.dtype
+        dense_gb = _dense_copy_gb(inner, stream)
+        if dense_gb and inner.device.type == "cuda" and dense_gb > torch.cuda.mem_get_info(inner.device)[0] / 2**30 / 2:
+            raise Unsupported(f"its 4-bit base as dense weights needs {dense_gb:.1f} GB, more than half of what is "
+                              f"free on the card")
+        return cls(model, stream)
+
+    def refresh(self) -> None:
+        """The adapters' new weights, copied in place into the fused tensors every captured step reads."""
+        with torch.no_grad():
+            for block in self.blocks:
+                for name in GROUPS:
+                    block[name].refresh()
+
+    # one new token for every row: the whole per-token work, with no python branch on tensor values
+    def _forward(self, s: dict, adapters: bool) -> torch.Tensor:
+        b, H, hd = s["token"].shape[0], self.heads, self.head_dim
+        group = H // self.kv_heads
+        cos_sin = s["rotary"].index_select(0, s["position"])  # [b, 2, hd]
+        half = hd // 2
+        rotation = (torch.diag_embed(cos_sin[:, 0]) + torch.diag_embed(cos_sin[:, 1, half:], offset=half)
+                    - torch.diag_embed(cos_sin[:, 1, :half], offset=-half))  # [b, hd, hd]: x @ R = rotary(x)
+        x = F.embedding(s["token"], self.inner.model.embed_tokens.weight)  # [b, hidden]
+        for i, block in enumerate(self.blocks):
+            h = _rms_norm(x, block["norm1"])  # [b, hidden]
+            qkv = block["qkv"](h, adapters)  # [b, (H + 2 Hkv) hd]
+            qk = torch.bmm(qkv[:, :(H + self.kv_heads) * hd].view(b, -1, hd), rotation)  # [b, H + Hkv, hd]
+            # each key/value head serves `group` query heads: the queries of one kv head form its rows
+            q = qk[:, :H].view(b, self.kv_heads, group, hd)  # [b, Hkv, g, hd]
+            s["keys"][i].index_copy_(2, s["slot"], qk[:, H:].unsqueeze(2))  # [b, Hkv, T, hd]
+            s["values"][i].index_copy_(2, s["slot"], qkv[:, (H + self.kv_heads) * hd:].view(b, -1, 1, hd))
+            # plain attention for one query: a fused kernel costs more to start than it saves here
+            scores = torch.baddbmm(s["mask"], q.reshape(-1, group, hd), s["keys_t"][i], alpha=self.scale)  # [b Hkv, g, T]
+            weights = scores.softmax(-1) if scores.dtype == torch.float32 else \
+                scores.softmax(-1, dtype=torch.float32).to(scores.dtype)  # [b Hkv, g, T]
+            attended = torch.bmm(weights, s["values_v"][i])  # [b Hkv, g, hd]
+            x = x + block["o"](attended.view(b, H * hd), adapters)  # [b, hidden]
+            gate_up = block["gate_up"](_rms_norm(x, block["norm2"]), adapters)  # [b, 2 I]
+            gate, up = gate_up.chunk(2, dim=-1)  # [b, I] each
+            x = x + block["down"](F.silu(gate) * up, adapters)  # [b, hidden]
+        x = _rms_norm(x, self.inner.model.norm)
+        return F.linear(x, self.inner.get_output_embeddings().weight)  # [b, V]
+
+    def _step(self, s: dict, sampling: Sampling, adapters: bool) -> None:
+        """Feed the last sampled token, sample the next, record it: every tensor here has a fixed shape."""
+        s["mask"].index_fill_(-1, s["slot"], 0.0)  # the slot this token's key goes into is now visible
+        logits = self._forward(s, adapters)
+        token, logp = sample(logits.float(), sampling)  # [b], [b]
+        s["tokens"].index_copy_(1, s["t"], token[:, None])
+        s["logps"].index_copy_(1, s["t"], logp[:, None])
+        s["token"].copy_(token)
+        s["done"].logical_or_(torch.isin(token, s["eos"]))
+        s["position"].add_(1)
+        s["slot"].add_(1)
+        s["t"].add_(1)
+
+    def _state(self, rows: int, width: int, sampling: Sampling, eos_ids: list[int]) -> dict:
+        dev, n = self.inner.device, sampling.max_new_tokens
+        T = width + n
+        self.states_built += 1
+        kv = (rows, self.kv_heads, T, self.head_dim)
+        z = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=dev)  # noqa: E731
+        keys = [torch.zeros(kv, dtype=self.stream, device=dev) for _ in self.blocks]
+        values = [torch.zeros(kv, dtype=self.stream, device=dev) for _ in self.blocks]
+        return {"keys": keys, "values": values,  # and the views attention reads them through, made once
+                "keys_t": [k.view(-1, T, self.head_dim).transpose(1, 2) for k in keys],  # [b Hkv, hd, T]
+                "values_v": [v.view(-1, T, self.head_dim) for v in values],  # [b Hkv, T, hd]
+                "mask": torch.full((rows * self.kv_heads, 1, T), -math.inf, dtype=self.stream, device=dev),
+                "rotary": self._rotary(T + 1), "token": z(rows), "position": z(rows), "slot": z(1), "t": z(1),
+                "tokens": z(rows, n), "logps": z(rows, n, dtype=torch.float32), "done": z(rows, dtype=torch.bool),
+                "eos": torch.tensor(eos_ids, dtype=torch.long, device=dev)}
+
+    def _rotary(self, length: int) -> torch.Tensor:
+        """cos and sin of every position up to `length`, from the model's own rotary module (its scaling
+        included): [length, 2, hd]."""
+        probe = torch.zeros(1, dtype=self.stream, device=self.inner.device)
+        cos, sin = self.inner.model.rotary_emb(probe, torch.arange(length, device=self.inner.device)[None])
+        return torch.stack([cos[0], sin[0]], dim=1)
+
+    @torch.no_grad()
+    def decode(self, prompt_ids: list[list[int]], sampling: Sampling, eos_ids: list[int], pad_id: int,
+               adapters: bool = True) -> tuple[list[list[int]], list[list[float]]]:
+        """As `generation.decode`: G sampled continuations of each prompt, grouped, each up to its first eos
+        (kept) or `max_new_tokens`, and each sampled token's log-prob under the distribution it came from."""
+        from transformers import DynamicCache
+
+        dev, G, n = self.inner.device, sampling.n, sampling.max_new_tokens
+        P, longest = len(prompt_ids), max(len(p) for p in prompt_ids)
+        width = -(-longest // WIDTH_STEP) * WIDTH_STEP
+        ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompt_ids], device=dev)  # [P, Lp]
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompt_ids], device=dev)  # [P, Lp]
+        # the prompts: one prefill per distinct prompt with the trainer's own modules, as generation.decode does
+        cache = DynamicCache()
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                         **{cache_keyword(self.model): cache}, use_cache=True, logits_to_keep=1)
+        key = (P * G, width, n, sampling.temperature, sampling.top_p, adapters, tuple(eos_ids))
+        s, graph = self.graphs.get(key) or (self._state(P * G, width, sampling, eos_ids), None)
+        if len(self.graphs) > 2 and key not in self.graphs:
+            self.graphs.clear()  # rollouts of other shapes: keep the memory of a few at most
+        for i in range(len(self.blocks)):
+            layer = cache.layers[i]
+            s["keys"][i][:, :, :longest] = layer.keys.repeat_interleave(G, dim=0)
+            s["values"][i][:, :, :longest] = layer.values.repeat_interleave(G, dim=0)
+        rows_mask = mask.repeat_interleave(G, dim=0)  # [B, Lp]
+        s["mask"].fill_(-math.inf)
+        s["mask"][:, 0, :longest].masked_fill_(rows_mask.repeat_interleave(self.kv_heads, dim=0).bool(), 0.0)
+        s["position"].copy_(rows_mask.sum(-1))
+        s["slot"].fill_(longest)
+        s["t"].fill_(1)
+        s["done"].zero_()
+        token, logp = sample(out.logits[:, -1].float().repeat_interleave(G, dim=0), sampling)  # [B], [B]
+        s["tokens"][:, 0], s["logps"][:, 0], s["token"][:] = token, logp, token
+        s["done"].logical_or_(torch.isin(token, s["eos"]))
+        del out, cache
+        if dev.type == "cuda" and graph is None:
+            graph = self._capture(s, sampling, adapters)
+        self.graphs[key] = (s, graph)
+        made = 1
+        while made < n:
+            if made % CHECK_EVERY == 1 and bool(s["done"].all()):  # the one host read, every few tokens
+                break
+            if graph is not None:
+                graph.replay()
+            else:
+                self._step(s, sampling, adapters)
+            made += 1
+        tokens, logps = s["tokens"][:, :made].tolist(), s["logps"][:, :made].tolist()
+        eos = set(eos_ids)
+        for row in range(len(tokens)):  # each row ends at its first eos; what a finished row sampled after is dropped
+            end = next((j + 1 for j, tok in enumerate(tokens[row]) if tok in eos), made)
+            tokens[row], logps[row] = tokens[row][:end], logps[row][:end]
+        return tokens, logps
+
+    def _capture(self, s: dict, sampling: Sampling, adapters: bool):
+        """One decode step recorded as a CUDA graph; its state is restored, so the capture decodes nothing."""
+        saved = {k: v.clone() for k, v in s.items() if isinstance(v, torch.Tensor) and k not in ("rotary", "eos")}
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up on a side stream, as capture requires
+                self._step(s, sampling, adapters)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._step(s, sampling, adapters)
+        for k, v in saved.items():
+            s[k].copy_(v)
+        return graph
+
+
+def _dense_copy_gb(inner, stream: torch.dtype) -> float:
+    """GB the dequantized copy of a 4-bit base's block projections takes (0 for a 16-bit base: read in place)."""
+    quantized = [m for m in inner.model.layers.modules()  # the 4-bit layers themselves, not PEFT's wrappers of them
+                 if not hasattr(m, "base_layer") and getattr(getattr(m, "weight", None), "quant_state", None)]
+    return sum(m.out_features * m.in_features for m in quantized) * torch.finfo(stream).bits / 8 / 2**30
+
+
+def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
+    """The model's RMSNorm: float32 statistics, as transformers computes them (one op in a float32 model)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+    return F.rms_norm(x.float(), (x.shape[-1],), None, norm.variance_epsilon).to(x.dtype) * norm.weight

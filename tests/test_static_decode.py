@@ -1,0 +1,162 @@
+"""The fixed-shape decoder (minigrpo/static_decode.py) against the eager decode loop it replaces: the same
+tokens and log-probs, the trainer's log-probs, the adapter's updates seen without rebuilding anything, one host
+read per CHECK_EVERY tokens, and a one-line fallback wherever it cannot run."""
+
+import pytest
+import torch
+
+from minigrpo.bench_decode import _counts, depth_only
+from minigrpo.config import TrainConfig
+from minigrpo.generation import HFGenerator, Sampling, decode
+from minigrpo.model import lora_parameters, load_policy, pad_batch, token_logprobs
+from minigrpo.static_decode import CHECK_EVERY, StaticDecoder
+
+
+class _Pad:  # what HFGenerator reads from a tokenizer
+    pad_token_id, eos_token_id = 0, 511
+
+
+def _policy(folder, load_in_4bit: bool, seed: int = 0):
+    policy = load_policy(TrainConfig(lora_rank=4, load_in_4bit=load_in_4bit, dtype="float32", bf16_base=False),
+                         folder, torch.float32).eval()
+    with torch.no_grad():  # a trained adapter, not the zeros a fresh one starts from
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05, generator=torch.Generator().manual_seed(seed))
+    return policy
+
+
+@pytest.fixture(scope="module", params=["qwen-1.5b", "smollm2-135m"])  # qwen2 (q/k/v biases) and llama layouts
+def depth_model(request, tmp_path_factory):
+    return depth_only(request.param, tmp_path_factory.mktemp(request.param), layers=3)
+
+
+PROMPTS = [list(range(10, 40)), list(range(50, 62))]  # two prompts of different lengths: left padding
+
+
+@pytest.mark.parametrize("load_in_4bit,temperature,top_p", [(True, 0.0, 1.0), (False, 1.0, 1.0), (True, 0.7, 0.9)])
+def test_static_decoding_gives_the_eager_loops_tokens_and_logprobs(depth_model, load_in_4bit, temperature, top_p):
+    """Seeded alike, both draw the same tokens while every row is live (the eager loop draws for live rows only,
+    so once a row ends the random streams part: no row ends here, eos being outside the vocabulary)."""
+    policy = _policy(depth_model, load_in_4bit)
+    static = StaticDecoder.build(policy)
+    sampling = Sampling(4, 20, temperature, top_p)
+    torch.manual_seed(3)
+    eager_tokens, eager_logps = decode(policy, PROMPTS, sampling, [512], 0)
+    torch.manual_seed(3)
+    tokens, logps = static.decode(PROMPTS, sampling, [512], 0)
+    assert tokens == eager_tokens and all(len(row) == 20 for row in tokens)
+    gap = max(abs(a - b) for x, y in zip(logps, eager_logps) for a, b in zip(x, y))
+    assert gap < 1e-4, gap
+
+
+def test_a_finished_row_ends_at_its_eos_while_the_others_go_on(depth_model):
+    """Greedy, with the token that row 0 produces third made the end-of-sequence token: the rows that reach it
+    end there (eos kept), the rest run to the limit, as in the eager loop that drops finished rows."""
+    policy = _policy(depth_model, False)
+    probe, _ = decode(policy, PROMPTS, Sampling(1, 12, 0.0), [511], 0)
+    eos = probe[0][2]
+    eager, _ = decode(policy, PROMPTS, Sampling(2, 12, 0.0), [eos], 0)
+    tokens, _ = StaticDecoder.build(policy).decode(PROMPTS, Sampling(2, 12, 0.0), [eos], 0)
+    assert tokens == eager and len(tokens[0]) == probe[0].index(eos) + 1 and tokens[0][-1] == eos
+
+
+def test_the_samplers_logprobs_are_the_trainers_and_follow_each_optimizer_step(depth_model):
+    """After each optimizer step `sync` refreshes the adapter in place: the next rollout's log-probs are the
+    updated trainer's, the fused tensors are the same ones (a captured graph reads them), and no state or graph
+    is rebuilt across steps of one shape (on a card: no second capture)."""
+    policy = _policy(depth_model, True)
+    generator = HFGenerator(policy, _Pad(), report_logprobs=True)
+    static = generator.static
+    assert static is not None
+    tensors = [t.data_ptr() for block in static.blocks for p in block.values() if hasattr(p, "A") for t in (p.A, p.B)]
+    optimizer = torch.optim.SGD(lora_parameters(policy), lr=0.5)
+    for step in range(3):
+        out = generator.generate(PROMPTS, Sampling(2, 10))
+        rows = [(PROMPTS[i // 2], c) for i, c in enumerate(out.completion_ids)]
+        ids, attention, mask = pad_batch(rows, 0, "cpu")
+        with torch.no_grad():
+            trainer = token_logprobs(policy, ids, attention, mask.shape[1])  # [B, T]
+        gap = (trainer[mask] - torch.tensor([x for row in out.sampler_logps for x in row])).abs().max().item()
+        assert gap < 1e-4, (step, gap)
+        policy.train()
+        optimizer.zero_grad()
+        token_logprobs(policy, ids, attention, mask.shape[1])[mask].sum().backward()
+        optimizer.step()
+        policy.eval()
+        generator.sync(policy)
+    assert static.states_built == 1 and len(static.graphs) == 1
+    assert tensors == [t.data_ptr() for block in static.blocks for p in block.values() if hasattr(p, "A")
+                       for t in (p.A, p.B)]
+
+
+def test_without_a_refresh_the_decoder_decodes_with_the_old_adapter(depth_model):
+    """The control for the test above: the refresh is what carries an update into the decode steps (the prompt's
+    prefill runs on the live model either way), so that test can fail."""
+    policy = _policy(depth_model, False)
+    static = StaticDecoder.build(policy)
+    static.decode(PROMPTS, Sampling(1, 8, 0.0), [511], 0)
+    with torch.no_grad():
+        for p in lora_parameters(policy):
+            p.mul_(-3.0)
+    now = decode(policy, PROMPTS, Sampling(1, 8, 0.0), [511], 0)[0]
+    stale, _ = static.decode(PROMPTS, Sampling(1, 8, 0.0), [511], 0)
+    static.refresh()
+    fresh, _ = static.decode(PROMPTS, Sampling(1, 8, 0.0), [511], 0)
+    assert fresh == now and stale != now
+
+
+def test_a_16_bit_base_is_read_in_place_not_copied(depth_model):
+    policy = _policy(depth_model, False)
+    static = StaticDecoder.build(policy)
+    layer = policy.get_base_model().model.layers[0].self_attn
+    fused = static.blocks[0]["qkv"].weight
+    assert layer.k_proj.base_layer.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+
+
+def test_the_host_reads_once_per_check_interval(depth_model):
+    """Syncs per token, counted by the profiler (not timed): the eager loop reads every token back, the static
+    one once per CHECK_EVERY tokens."""
+    policy = _policy(depth_model, False)
+    per_token = {}
+    for path in ("eager", "static"):
+        generator = HFGenerator(policy, _Pad(), decoder=path)
+        generate = lambda rows, n: generator.generate([PROMPTS[0]], Sampling(rows, n))  # noqa: E731
+        short, long = _counts(generate, 2, 3)["syncs"], _counts(generate, 2, 3 + 2 * CHECK_EVERY)["syncs"]
+        per_token[path] = (long - short) / (2 * CHECK_EVERY)
+    assert per_token["eager"] >= 1 and per_token["static"] <= 1 / CHECK_EVERY, per_token
+
+
+def test_a_model_it_cannot_read_decodes_eagerly_with_one_line(tmp_path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=8, vocab_size=512)).save_pretrained(tmp_path)
+    policy = load_policy(TrainConfig(lora_rank=4, load_in_4bit=False, dtype="float32", bf16_base=False), str(tmp_path),
+                         torch.float32)
+    said = []
+    generator = HFGenerator(policy, _Pad(), say=said.append)
+    assert generator.static is None and len(said) == 1 and "qwen3" in said[0]
+    assert len(generator.generate([PROMPTS[0]], Sampling(2, 5)).completion_ids) == 2
+    with pytest.raises(ValueError, match="--decoder static cannot decode this model"):
+        HFGenerator(policy, _Pad(), decoder="static")
+
+
+def test_a_decode_that_fails_says_so_once_and_goes_on_eagerly(depth_model, monkeypatch):
+    """Where the fixed-shape step fails at run time (a graph that cannot be captured, an op this torch lacks),
+    the run says so in one line and decodes as before; with --decoder static the failure is the user's to see."""
+    policy = _policy(depth_model, False)
+    said = []
+    generator = HFGenerator(policy, _Pad(), say=said.append)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot capture this step")
+
+    monkeypatch.setattr(StaticDecoder, "_step", broken)
+    torch.manual_seed(0)
+    out = generator.generate(PROMPTS, Sampling(2, 6, 0.0))
+    assert out.completion_ids == decode(policy, PROMPTS, Sampling(2, 6, 0.0), [511], 0)[0]
+    assert generator.static is None and len(said) == 1 and "cannot capture this step" in said[0]
+    strict = HFGenerator(policy, _Pad(), decoder="static")
+    with pytest.raises(RuntimeError, match="cannot capture"):
+        strict.generate(PROMPTS, Sampling(2, 6))
