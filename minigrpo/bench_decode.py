@@ -153,6 +153,7 @@ def bench_decode(presets=("smollm2-135m", "qwen-1.5b"), rows=(1, 16, 64), load_i
     quiet_libraries()
     if load_in_4bit is None:
         load_in_4bit = _has_bitsandbytes()
+    machine_threads = torch.get_num_threads()
     if not torch.cuda.is_available():
         torch.set_num_threads(threads)
     where = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "cpu": cpu_model(),
@@ -168,6 +169,7 @@ def bench_decode(presets=("smollm2-135m", "qwen-1.5b"), rows=(1, 16, 64), load_i
                     results.append(result)
                     emit(result)
             del generators, policy
+    torch.set_num_threads(machine_threads)  # what follows (`--real`) runs as training would
     return results
 
 

@@ -168,7 +168,7 @@ def bench_decode_command(
     for name in preset:
         if name not in SHAPES:
             raise ValueError(f"--preset {name}: not a preset ({', '.join(SHAPES)})")
-    console, found = Console(), []
+    console, found = Console(width=max(Console().width, 120)), []
     emit = (lambda r: print(to_json(r), flush=True)) if as_json else (
         lambda r: found.append(r) or console.print(f"  {r['preset']} rows {r['rows']} {r['path']}: "
                                                    f"{r.get('host_ms_per_token', r.get('tokens_per_s'))}"))

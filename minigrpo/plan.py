@@ -4,7 +4,7 @@ One GPU holds, at once:
 - the trainer: the base (4-bit linear layers, 16-bit embeddings), the LoRA adapter with its gradient and
   AdamW's two moments (fp32, 16 bytes a parameter), and the CUDA context;
 - one step's working memory (`StepMemory`): transformers generation's key/value cache, or one micro-batch of
-  training, whichever is larger;
+  training, whichever is larger (and with transformers generation, a 4-bit base's dense copy it decodes from);
 - with vLLM, the engine: a 16-bit copy of the base (vLLM has no 4-bit bitsandbytes loader), its LoRA slots,
   its activation workspace and a key/value cache. `gpu_memory_utilization` is the engine's share of the
   card's *total* memory, not of what the trainer leaves, so the share is sized here from these terms.
@@ -234,10 +234,11 @@ def make_plan(shape, gpu: Gpu | None, s: Settings, vllm_installed: bool = True, 
     memory = StepMemory(shape, nbytes, s.micro_batch_size, s.chunk, True, s.checkpointing)
     hf_step = memory.step_gb(s.rows, s.prompt_tokens, s.new_tokens)
     train_step = memory.training_gb(s.rows, s.prompt_tokens, s.new_tokens)
-    name = gpu.name if gpu else "cpu"
-    total = gpu.total_gb if gpu else 0.0
-    hf = Plan(name, total, dtype_name(dtype), dtype_reason, "hf", "", trainer, hf_step, peak_gb=trainer + hf_step,
-              checkpointing=s.checkpointing)
+    name, total = (gpu.name, gpu.total_gb) if gpu else ("cpu", 0.0)
+    dense = sizes.linear * nbytes / GiB * s.load_in_4bit  # the fixed-shape decoder's dense copy of a 4-bit base,
+    dense *= not gpu or dense <= (total - trainer) / 2  # unless it is over half the free card (StaticDecoder.build)
+    hf = Plan(name, total, dtype_name(dtype), dtype_reason, "hf", "", trainer + dense, hf_step,
+              peak_gb=trainer + dense + hf_step, checkpointing=s.checkpointing)
 
     if gpu is None:
         choice = "vllm" if s.generator == "vllm" else "hf"
@@ -274,9 +275,8 @@ def needs_checkpointing(shape, gpu: Gpu | None, s: Settings, nbytes: int, traine
 
 
 def trainer_gb(sizes: Sizes, lora_rank: int, load_in_4bit: bool, nbytes: int) -> float:
-    base = sizes.linear * (QUANT_BYTES if load_in_4bit else nbytes) + sizes.embedding * nbytes
     adapter = sizes.lora_per_rank * lora_rank * 16  # fp32 weights, gradients, adam's two moments
-    return (base + adapter) / GiB
+    return (sizes.linear * (QUANT_BYTES if load_in_4bit else nbytes) + sizes.embedding * nbytes + adapter) / GiB
 
 
 def engine_plan(sizes: Sizes, gpu: Gpu, s: Settings, nbytes: int, trainer: float, train_step: float) -> Plan:

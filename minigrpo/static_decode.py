@@ -133,8 +133,11 @@ class StaticDecoder:
             raise Unsupported("not a transformers decoder model")
         if config.model_type not in LAYOUTS:
             raise Unsupported(f"a {config.model_type} model (fixed-shape decoding knows {', '.join(LAYOUTS)})")
-        if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "use_sliding_window", False):
+        windowed = getattr(config, "use_sliding_window", config.model_type == "mistral")  # qwen2 has a flag for it
+        if getattr(config, "hidden_act", "silu") != "silu" or (windowed and getattr(config, "sliding_window", None)):
             raise Unsupported("a block unlike Llama's (activation or sliding-window attention)")
+        if any(getattr(m, "use_dora", {}).get("default") for m in inner.modules()):
+            raise Unsupported("DoRA adapters (their magnitude vector is not a low-rank addition)")
         if getattr(config, "rope_parameters", None) and config.rope_parameters.get("rope_type") in ("dynamic",):
             raise Unsupported("dynamic rope scaling (positions' frequencies change with the length)")
         stream = inner.model.embed_tokens.weight.dtype

@@ -10,7 +10,9 @@
 #   4. `minigrpo bench model` on the preset with random weights of its shape (measured: s/step, tokens/s,
 #      peak and reserved memory beside the plan's estimate);
 #   5. the T4's float16 path on this card: `doctor --dtype float16` and three training steps in float16
-#      (gradient scaler, first-rollout numerics check);
+#      (gradient scaler, first-rollout numerics check), then what a first run on a card must show, asserted:
+#      reward spread in some step, the adapter changed, the generator's log-probs follow the trainer's, no step
+#      skipped by the scaler, peak memory within 25% of `minigrpo plan`'s estimate;
 #   6. the streamed export of a 4-bit policy: extra device memory against its largest shard.
 #
 # For a GPU machine with only torch (and transformers, peft, typer, rich) installed and no network: wheels the
@@ -94,13 +96,48 @@ for rows in map(int, sys.argv[2].split()):
                           "cpu": cpu_model(), **figures}), flush=True)
 PY
 }
+first_run_checks() {  # first_run_checks RUN_DIR: what a first run on a card must show, asserted (exit 1 if not)
+  python - "$1" <<'PY'
+import json, sys
+from pathlib import Path
+import torch
+from safetensors.torch import load_file
+from minigrpo.config import TrainConfig
+from minigrpo.plan import plans_for
+from minigrpo.train import GAP_WARNING
+run = Path(sys.argv[1])
+steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+adapter = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+gaps = [m["sampler_logprob_gap/mean"] for m in steps[1:] if "sampler_logprob_gap/mean" in m]
+checks = {
+    "some step has reward spread above zero": any(m.get("frac_groups_reward_differs", 0) > 0 for m in steps),
+    "the adapter changed (its B matrices, zero at the start)": any(
+        t.abs().sum() > 0 for name, t in adapter.items() if "lora_B" in name),
+    f"the generator samples with the updated adapter (its log-probs within {GAP_WARNING} of the trainer's "
+    f"after step 1: {[round(g, 4) for g in gaps]})": bool(gaps) and max(gaps) < GAP_WARNING,
+    "no float16 step was skipped by the gradient scaler": not any(m.get("skipped_overflow") for m in steps),
+}
+if torch.cuda.is_available():  # the plan's estimate is for a card
+    plan, peak = next(iter(plans_for(TrainConfig.load(run / "config.json"), None, None).values())), \
+        max(m["mem/peak_gb"] for m in steps)
+    checks[f"peak memory {peak:.2f} GB within 25% of the plan's {plan.peak_gb:.2f} GB"] = \
+        abs(peak - plan.peak_gb) <= 0.25 * plan.peak_gb
+for what, ok in checks.items():
+    print(("PASS: " if ok else "FAIL: ") + what)
+sys.exit(0 if all(checks.values()) else 1)
+PY
+}
 preset_flags() {  # preset_flags PRESET: the preset's settings as flags, for a random model passed as a folder
   python -c "import sys; from minigrpo.config import PRESETS; p = PRESETS[sys.argv[1]]
 print(f'--max-new-tokens {p.max_new_tokens} --num-generations {p.num_generations} --prompts-per-step '
       f'{p.prompts_per_step} --lora-rank {p.lora_rank} --learning-rate {p.learning_rate}')" "$1"
 }
-export -f random_model export_memory decode_speed preset_flags
+export -f random_model export_memory decode_speed preset_flags first_run_checks
 export work
+
+# a reward random text earns unevenly (random weights never solve a sum), so a step's groups have a spread to learn
+printf 'def vowel_share(completions, **kwargs):\n    return [sum(c in "aeiou" for c in t) / max(len(t), 1) for t in completions]\n' \
+  > "$work/varied.py"
 
 {
   echo "# minigrpo GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
@@ -132,7 +169,8 @@ PY
   stage fp16 ${FP16_S:-80} "float16, as on a T4: three training steps of $small (random weights)" bash -c "
     folder=\$(random_model $small $work/small | tail -1) &&
     python -m minigrpo.cli train --model \$folder \$(preset_flags $small) --task addition --steps 3 --dtype float16 --generator hf \
-      --output-dir $work/run-fp16 --sample-every 0 --no-eval-before-after && tail -n 3 $work/run-fp16/metrics.jsonl"
+      --reward $work/varied.py:vowel_share --output-dir $work/run-fp16 --sample-every 0 --no-eval-before-after &&
+    tail -n 3 $work/run-fp16/metrics.jsonl && first_run_checks $work/run-fp16"
   stage export ${EXPORT_S:-120} "export of $export_model's 4-bit policy, streamed" bash -c "
     folder=\$(random_model $export_model $work/big-export | tail -1) && export_memory \$folder"
 } 2>&1 | tee "$out"

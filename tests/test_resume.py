@@ -17,9 +17,9 @@ from minigrpo import TrainConfig, train
 from minigrpo import checkpoint
 from minigrpo.train import is_out_of_memory, out_of_memory_advice
 
-# at these tiny settings most groups have equal rewards; with this seed the first step's groups differ (in
-# float32 and bfloat16 alike), so the adapter moves before the run is cut
-SMALL = dict(num_generations=2, prompts_per_step=2, max_new_tokens=8, sample_every=0, seed=2, save_every=1,
+# at these tiny settings most groups have equal rewards; with this seed a group of the second step differs (in
+# float32 and with bf16 projections alike), so the adapter moves before the run is cut
+SMALL = dict(num_generations=2, prompts_per_step=2, max_new_tokens=8, sample_every=0, seed=0, save_every=1,
              eval_before_after=False, learning_rate=1e-3)
 VOLATILE = ("time/", "mem/", "tokens_per_s")
 

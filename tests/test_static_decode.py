@@ -160,3 +160,18 @@ def test_a_decode_that_fails_says_so_once_and_goes_on_eagerly(depth_model, monke
     strict = HFGenerator(policy, _Pad(), decoder="static")
     with pytest.raises(RuntimeError, match="cannot capture"):
         strict.generate(PROMPTS, Sampling(2, 6))
+
+
+def test_the_plan_counts_the_dense_copy_that_fixed_shape_decoding_reads():
+    """With transformers generation a 4-bit base is also held as dense weights for decoding, so the plan counts
+    them; where they would take over half of what the trainer leaves free, decoding goes token by token and the
+    plan counts nothing (as StaticDecoder.build decides at run time)."""
+    from minigrpo.hardware import card
+    from minigrpo.plan import CUDA_CONTEXT_GB, GiB, Settings, Sizes, make_plan, preset_shape, trainer_gb
+
+    for model, gpu, held in (("qwen-1.5b", "t4", True), ("qwen-7b", "3090", False)):
+        shape, cfg = preset_shape(model), TrainConfig(model=model, generator="hf", load_in_4bit=True)
+        plan = make_plan(shape, card(gpu), Settings.of(cfg), vllm_installed=False)
+        sizes, nbytes = Sizes.of(shape), 2
+        extra = plan.trainer_gb - trainer_gb(sizes, cfg.lora_rank, True, nbytes) - CUDA_CONTEXT_GB
+        assert extra == pytest.approx(sizes.linear * nbytes / GiB if held else 0.0), (model, extra)
