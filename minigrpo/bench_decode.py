@@ -75,6 +75,21 @@ class _Pad:  # what HFGenerator reads from a tokenizer; eos outside the vocabula
     pad_token_id, eos_token_id = 0, 512
 
 
+class TransformersStatic:
+    """transformers' own `generate` with its static key/value cache, as a generator the benchmark can time: the
+    well-kept library's path beside ours (its `compile_config` compiles on a card only; on a cpu it runs eager)."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def generate(self, prompt_ids: list[list[int]], sampling: Sampling, base: bool = False) -> None:
+        ids = torch.tensor(prompt_ids, device=self.policy.device)
+        self.policy.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0,
+                             top_p=sampling.top_p, temperature=sampling.temperature, pad_token_id=0,
+                             max_new_tokens=sampling.max_new_tokens, min_new_tokens=sampling.max_new_tokens,
+                             num_return_sequences=sampling.n, cache_implementation="static")
+
+
 def _wait() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -145,8 +160,9 @@ def measure(generator, rows: int, repeats: int = 2, lengths: tuple[int, int] = (
 
 
 def bench_decode(presets=("smollm2-135m", "qwen-1.5b"), rows=(1, 16, 64), load_in_4bit: bool | None = None,
-                 threads: int = 1, emit=print) -> list[dict]:
-    """Every preset x rows x path; each result is handed to `emit` as it is measured, and returned."""
+                 threads: int = 1, emit=print, with_transformers: bool = False) -> list[dict]:
+    """Every preset x rows x path (with `with_transformers`, transformers' static-cache `generate` too); each
+    result is handed to `emit` as it is measured, and returned."""
     from minigrpo.console import quiet_libraries
     from minigrpo.generation import HFGenerator
 
@@ -163,8 +179,10 @@ def bench_decode(presets=("smollm2-135m", "qwen-1.5b"), rows=(1, 16, 64), load_i
         with tempfile.TemporaryDirectory(prefix="minigrpo-decode-") as tmp:
             policy = _policy(depth_only(preset, Path(tmp)), load_in_4bit)
             generators = {path: HFGenerator(policy, _Pad(), decoder=path) for path in PATHS}
+            if with_transformers:
+                generators["transformers-static"] = TransformersStatic(policy)
             for r in rows:
-                for path in PATHS:  # side by side at each shape, so a noisy moment hurts both alike
+                for path in generators:  # side by side at each shape, so a noisy moment hurts them alike
                     result = {"preset": preset, "rows": r, "path": path, **measure(generators[path], r), **where}
                     results.append(result)
                     emit(result)

@@ -155,6 +155,8 @@ def bench_decode_command(
                                       help="nf4 base + LoRA as training uses them [default: where bitsandbytes is]."),
     real: bool = typer.Option(False, "--real", help="Also the offline smollm2-135m's tokens/s at the quick start's "
                                                     "shape (16 rows, 48 new tokens, its settings on this machine)."),
+    with_transformers: bool = typer.Option(False, "--with-transformers",
+                                           help="Also transformers' own generate with its static cache (slow)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per measurement, for scripts."),
 ) -> None:
     """Host time, torch ops and syncs per new token: the eager decode loop beside the fixed-shape one, on models
@@ -172,7 +174,7 @@ def bench_decode_command(
     emit = (lambda r: print(to_json(r), flush=True)) if as_json else (
         lambda r: found.append(r) or console.print(f"  {r['preset']} rows {r['rows']} {r['path']}: "
                                                    f"{r.get('host_ms_per_token', r.get('tokens_per_s'))}"))
-    results = bench_decode(tuple(preset), tuple(rows), load_in_4bit, threads, emit)
+    results = bench_decode(tuple(preset), tuple(rows), load_in_4bit, threads, emit, with_transformers)
     real_results = bench_real(emit=emit) if real else []
     if as_json:
         return
