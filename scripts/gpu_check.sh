@@ -28,6 +28,8 @@
 #
 # A CPU dry run with the stages scaled down (what the tests run): MODEL=smollm2-135m DECODE_ROWS=2 DECODE_TOKENS="2 4"
 # DECODE_BENCH_ROWS=2 STAGES="plan decode".
+# The limits add up to 580 s, so the whole check ends within 10 minutes on one card even where every stage runs
+# out of time (a fresh process per bench setting: two settings, two steps each).
 # Overrides: STAGES (default "doctor plan decode bench fp16 export"), MODEL, EXPORT_MODEL, SMALL, BENCH_ARGS,
 # DECODE_ROWS, DECODE_TOKENS, DECODE_BENCH_ROWS, and DOCTOR_S, DECODE_S, BENCH_S, FP16_S, EXPORT_S (limits in seconds). A dry run on a cpu: MODEL=smollm2-135m
 # BENCH_ARGS="-G 2 --max-new-tokens 8 --steps 2".
@@ -39,7 +41,7 @@ model=${MODEL:-qwen-1.5b}
 small=${SMALL:-smollm2-135m}
 export_model=${EXPORT_MODEL:-$model}
 stages=${STAGES:-doctor plan decode bench fp16 export}  # which stages to run
-bench_args=${BENCH_ARGS:--G 4 -G 8 --max-new-tokens 128 --max-new-tokens 256 --steps 2}
+bench_args=${BENCH_ARGS:--G 4 -G 8 --max-new-tokens 256 --steps 2}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -156,22 +158,22 @@ for name in ("torch", "transformers", "peft", "bitsandbytes", "vllm"):
     except m.PackageNotFoundError:
         print(f"{name} not installed")
 PY
-  stage doctor ${DOCTOR_S:-90} "minigrpo doctor" python -m minigrpo.cli doctor
+  stage doctor ${DOCTOR_S:-60} "minigrpo doctor" python -m minigrpo.cli doctor
   stage plan 40 "minigrpo plan (the estimate, before any run): this card, then a T4" \
     bash -c "python -m minigrpo.cli plan --model $model && python -m minigrpo.cli plan --model $model --gpu t4"
-  stage decode ${DECODE_S:-240} "transformers decoding of $model (random weights): ms per new token" bash -c "
+  stage decode ${DECODE_S:-190} "transformers decoding of $model (random weights): ms per new token" bash -c "
     folder=\$(random_model $model $work/big | tail -1) && decode_speed \$folder &&
     python -m minigrpo.cli bench decode --preset $model $(printf -- '--rows %s ' ${DECODE_BENCH_ROWS:-1 16 64}) --json"
   # shellcheck disable=SC2086  # the arguments are meant to split
-  stage bench ${BENCH_S:-300} "minigrpo bench model (measured)" python -m minigrpo.cli bench model --model "$model" --random-weights \
+  stage bench ${BENCH_S:-140} "minigrpo bench model (measured)" python -m minigrpo.cli bench model --model "$model" --random-weights \
     $bench_args
-  stage fp16 40 "float16, as on a T4: doctor" python -m minigrpo.cli doctor --dtype float16
-  stage fp16 ${FP16_S:-80} "float16, as on a T4: three training steps of $small (random weights)" bash -c "
+  stage fp16 30 "float16, as on a T4: doctor" python -m minigrpo.cli doctor --dtype float16
+  stage fp16 ${FP16_S:-60} "float16, as on a T4: three training steps of $small (random weights)" bash -c "
     folder=\$(random_model $small $work/small | tail -1) &&
     python -m minigrpo.cli train --model \$folder \$(preset_flags $small) --task addition --steps 3 --dtype float16 --generator hf \
       --reward $work/varied.py:vowel_share --output-dir $work/run-fp16 --sample-every 0 --no-eval-before-after &&
     tail -n 3 $work/run-fp16/metrics.jsonl && first_run_checks $work/run-fp16"
-  stage export ${EXPORT_S:-120} "export of $export_model's 4-bit policy, streamed" bash -c "
+  stage export ${EXPORT_S:-60} "export of $export_model's 4-bit policy, streamed" bash -c "
     folder=\$(random_model $export_model $work/big-export | tail -1) && export_memory \$folder"
 } 2>&1 | tee "$out"
 echo "figures written to $out"

@@ -575,3 +575,11 @@ def test_a_stage_at_its_limit_says_so_and_where_it_was(tmp_path):
     report = out.read_text()
     assert "## minigrpo doctor: exit 124 after" in report and "(stopped at its 5 s limit)" in report, report[-2000:]
     assert "most recent call first" in report, "the stack of the stopped stage"
+
+
+def test_the_gpu_checks_stage_limits_add_up_to_under_ten_minutes():
+    """Every stage of scripts/gpu_check.sh is stopped at its limit, so the limits bound the whole check: they must
+    leave room, within 10 minutes on a card, for installing the carried wheels and starting up."""
+    text = (Path(__file__).parent.parent / "scripts" / "gpu_check.sh").read_text()
+    limits = [int(x) for x in re.findall(r"^\s*stage \w+ (?:\$\{\w+:-)?(\d+)", text, re.M)]
+    assert len(limits) == 7 and sum(limits) <= 600 - 20, limits
