@@ -15,7 +15,6 @@ capture included): the warm-up paid once per shape.
 
 from __future__ import annotations
 
-import json
 import platform
 import tempfile
 import time
@@ -231,7 +230,3 @@ def _has_bitsandbytes() -> bool:
     except Exception:
         return False
     return True
-
-
-def as_json(result: dict) -> str:
-    return json.dumps(result)

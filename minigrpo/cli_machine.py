@@ -161,19 +161,25 @@ def bench_decode_command(
 ) -> None:
     """Host time, torch ops and syncs per new token: the eager decode loop beside the fixed-shape one, on models
     of the presets' depth with tiny widths (what is left is the host's work, the floor of a token on a GPU)."""
+    import json
+
     from rich.table import Table
 
-    from minigrpo.bench_decode import as_json as to_json
     from minigrpo.bench_decode import bench_decode, bench_real
     from minigrpo.plan import SHAPES
 
     for name in preset:
         if name not in SHAPES:
             raise ValueError(f"--preset {name}: not a preset ({', '.join(SHAPES)})")
-    console, found = Console(width=max(Console().width, 120)), []
-    emit = (lambda r: print(to_json(r), flush=True)) if as_json else (
-        lambda r: found.append(r) or console.print(f"  {r['preset']} rows {r['rows']} {r['path']}: "
-                                                   f"{r.get('host_ms_per_token', r.get('tokens_per_s'))}"))
+    console = Console(width=max(Console().width, 120))
+
+    def emit(result: dict) -> None:  # each figure as it is measured: a json line, or a progress line
+        if as_json:
+            print(json.dumps(result), flush=True)
+        else:
+            console.print(f"  {result['preset']} rows {result['rows']} {result['path']}: "
+                          f"{result.get('host_ms_per_token', result.get('tokens_per_s'))}")
+
     results = bench_decode(tuple(preset), tuple(rows), load_in_4bit, threads, emit, with_transformers)
     real_results = bench_real(emit=emit) if real else []
     if as_json:

@@ -110,7 +110,7 @@ class StaticDecoder:
     def __init__(self, model, stream: torch.dtype):
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
         config = inner.config
-        self.model, self.inner, self.config = model, inner, config
+        self.model, self.inner = model, inner
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.stream = stream
