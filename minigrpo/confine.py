@@ -1,13 +1,16 @@
 """The sandbox's child: confine this process with the kernel, then run one program on the tests' arguments.
 
-Run as `python -I -S confine.py` with a job (JSON) on stdin; it writes its results to the job's file
-descriptor. Standard library only: the child never sees site-packages, where the tests may live.
+Run as `python -I -S confine.py` with a job (JSON) on stdin; it writes to the job's file descriptor one line
+reporting the layers it got, then (unless a required layer is missing) the program's results. Standard library only: the child never sees site-packages, where the tests may live.
 
 The layers, applied in this order, each by the kernel, so nothing the program does in Python undoes them:
   rlimits     cpu seconds, address space, file size, open files, processes; no core dumps
   namespaces  new user, pid, network, ipc, uts and mount namespaces: the program is pid 1 of its own process
               tree (when it ends, the kernel kills everything in it), sees no other process, and has no
-              network device at all; its folder is a private tmpfs of a fixed size; it holds no capabilities
+              network device at all; it holds no capabilities
+  own root    pivot_root into a tmpfs of a fixed size holding only the standard library and shared libraries
+              (bound read-only, site-packages hidden), /dev/null, /dev/urandom and its folder /work: no other
+              path exists for it, so no stat, inotify or /proc of anything outside
   landlock    the filesystem: read-only access to Python's standard library (not site-packages) and the
               shared libraries it loads, read-write access to its own folder, nothing else (not /proc,
               not /etc, not /home); no TCP bind or connect; no signals to, or abstract sockets of, processes
@@ -77,20 +80,64 @@ def enter_namespaces() -> str:
     return names
 
 
-def private_folder(size_mb: int, own_user_namespace: bool) -> str:
-    """A tmpfs of `size_mb` mounted on the working folder, in this mount namespace only: the program's
-    files cannot fill the disk, and they vanish with it."""
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 1 << 14, 1 << 18
+MNT_DETACH = 2
+
+
+def own_root(size_mb: int, shown: list[str]) -> tuple[str, str]:
+    """A root of the program's own: a tmpfs of `size_mb` on the working folder (in this mount namespace only,
+    so its files cannot fill the disk and vanish with it) holding `shown` bound read-only at their own paths,
+    /dev/null, /dev/urandom and the writable folder /work; then pivot_root into it and detach the old root.
+    Paths outside this view do not exist for the program: no stat, no inotify, no /proc. Returns (the
+    program's folder, a description); where a step fails, the program keeps the tmpfs folder in the old root."""
     folder = os.getcwd()
     LIBC.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
-    MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
-    # a mount namespace of a new user namespace receives its mounts as slaves already: nothing we mount
-    # propagates out; without one (root), make them private first
-    private = own_user_namespace or LIBC.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) == 0
-    if not private or LIBC.mount(
+    # nothing mounted here may propagate out (pivot_root also refuses shared mounts)
+    if LIBC.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) or LIBC.mount(
             b"tmpfs", folder.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, f"size={size_mb}m,mode=700".encode()):
-        return ""
-    os.chdir(folder)  # onto the new mount
-    return f"tmpfs {size_mb} MiB"
+        return folder, ""
+    work = os.path.join(folder, "work")
+    os.mkdir(work, 0o700)
+    try:
+        _build_root(folder, shown)
+        os.mkdir(os.path.join(folder, ".old"))
+        os.chdir(folder)
+        if LIBC.syscall(155 if _arch() == "x86_64" else 41, b".", b".old") or LIBC.umount2(b"/.old", MNT_DETACH):
+            raise OSError(ctypes.get_errno(), "pivot_root")
+        os.rmdir("/.old")
+    except OSError:
+        os.chdir(work)
+        return work, f"tmpfs {size_mb} MiB"
+    os.chdir("/work")
+    return "/work", f"own root, tmpfs {size_mb} MiB"
+
+
+def _build_root(root: str, shown: list[str]) -> None:
+    """Bind each shown path read-only at the same path under `root`, hide site-packages inside them, and keep
+    the top-level links (/lib -> usr/lib) the dynamic loader's paths go through."""
+    for name in os.listdir("/"):
+        if os.path.islink("/" + name):
+            os.symlink(os.readlink("/" + name), os.path.join(root, name))
+    covered: list[str] = []
+    for path in sorted(set(shown)):
+        if any(path.startswith(c + os.sep) for c in covered):
+            continue
+        target = root + path
+        if os.path.isdir(path):
+            os.makedirs(target, exist_ok=True)
+            covered.append(path)
+        else:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            open(target, "w").close()
+        device = path.startswith("/dev/")
+        flags = MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | (0 if device else MS_NODEV)
+        if LIBC.mount(path.encode(), target.encode(), None, MS_BIND | MS_REC, None) or \
+                (not device and LIBC.mount(None, target.encode(), None, flags, None)):
+            raise OSError(ctypes.get_errno(), f"bind {path}")
+        for hidden in ("site-packages", "dist-packages"):  # where tests or secrets may live
+            inner = os.path.join(target, hidden)
+            if os.path.isdir(inner) and LIBC.mount(b"tmpfs", inner.encode(), b"tmpfs", MS_RDONLY, b"size=4k"):
+                raise OSError(ctypes.get_errno(), f"hide {inner}")
 
 
 def drop_capabilities() -> None:
@@ -114,9 +161,9 @@ def landlock_abi() -> int:
     return max(0, LIBC.syscall(LANDLOCK_CREATE, None, 0, 1))  # LANDLOCK_CREATE_RULESET_VERSION
 
 
-def restrict_filesystem(workdir: str) -> int:
-    """Landlock rules: the standard library and shared libraries read-only, `workdir` read-write, nothing
-    else. Returns the ABI version applied (0: none)."""
+def restrict_filesystem(workdir: str, readable: list[str]) -> int:
+    """Landlock rules: `readable` (the standard library and shared libraries) read-only, `workdir`
+    read-write, nothing else. Returns the ABI version applied (0: none)."""
     abi = landlock_abi()
     if abi < 1:
         return 0
@@ -131,7 +178,7 @@ def restrict_filesystem(workdir: str) -> int:
     file_rights = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | (FS_TRUNCATE if abi >= 3 else 0)
     read = FS_EXECUTE | FS_READ_FILE | FS_READ_DIR
     try:
-        for path in readable_paths():
+        for path in readable:
             _allow(ruleset, path, read if os.path.isdir(path) else read & file_rights)
         for path in ("/dev/null", "/dev/urandom"):
             _allow(ruleset, path, FS_READ_FILE | FS_WRITE_FILE)
@@ -145,13 +192,26 @@ def restrict_filesystem(workdir: str) -> int:
 
 def readable_paths() -> list[str]:
     """Python's standard library entry by entry (so site-packages is left out even where it lives inside),
-    and the folders of the shared libraries already loaded (file by file where Python lives there too)."""
+    and the shared libraries it loads."""
     paths = [p for p in sys.path if os.path.isfile(p)]  # the zipped standard library, if any
     for folder in (p for p in sys.path if os.path.isdir(p)):
         paths += [os.path.join(folder, name) for name in os.listdir(folder)
                   if name not in ("site-packages", "dist-packages")]
+    return paths + library_paths()
+
+
+def shown_paths() -> list[str]:
+    """What the program's own root holds, bound read-only: the standard library's folders (their
+    site-packages hidden), the shared libraries, and the two devices Python reads."""
+    return [p for p in sys.path if os.path.exists(p)] + library_paths() + ["/dev/null", "/dev/urandom"]
+
+
+def library_paths() -> list[str]:
+    """The folders of the shared libraries already loaded (file by file where Python lives there too), and
+    the loader's cache."""
     with open("/proc/self/maps") as maps:
         loaded = {line.split(None, 5)[5].strip() for line in maps if len(line.split(None, 5)) == 6}
+    paths = []
     for folder in {os.path.dirname(p) for p in loaded if ".so" in os.path.basename(p)}:
         names = os.listdir(folder)
         if any(name.startswith(("python", "site-packages", "dist-packages")) for name in names):
@@ -266,8 +326,10 @@ def confine(job: dict) -> dict:
     layers = {"namespaces": enter_namespaces()}
     if "pid" in layers["namespaces"]:
         _become_init_of_new_pid_namespace()
-    layers["folder"] = private_folder(job["disk_mb"], "user" in layers["namespaces"]) if layers["namespaces"] else ""
-    layers["landlock"] = restrict_filesystem(os.getcwd())
+    readable = readable_paths()  # read now: the program's root has no /proc
+    workdir, layers["folder"] = own_root(job["disk_mb"], shown_paths()) if layers["namespaces"] else (os.getcwd(), "")
+    os.environ.update(HOME=workdir, TMPDIR=workdir)
+    layers["landlock"] = restrict_filesystem(workdir, readable)
     drop_capabilities()
     layers["seccomp"] = filter_syscalls()
     return layers
@@ -314,8 +376,11 @@ def main() -> None:
     os.close(0)
     layers = confine(job)
     lacking = missing(layers, job["require"])
+    # the first line is the layers report, written before the program runs: whatever the program writes
+    # to this pipe comes after it, so it can never pass for the report
+    results.write(json.dumps({"layers": layers, "missing": lacking}) + "\n")
+    results.flush()
     if job.get("probe") or lacking:
-        results.write(json.dumps({"layers": layers, "missing": lacking}))
         results.close()
         os._exit(0)
     if job.get("guard", True):

@@ -5,10 +5,15 @@ runs in a child process that receives only the arguments; it sends back what the
 the parent, which alone holds the expected results, decides. So a program that exits early, patches the
 assertions, or prints "all tests passed" gains nothing: no results, or wrong ones, score as a failure.
 
-The child (`minigrpo/confine.py`) is an isolated interpreter (`python -I -S`: no site-packages) in a fresh
-empty folder with a scrubbed environment, confined by the kernel: rlimits, new user/pid/network namespaces,
-Landlock for the filesystem and seccomp for system calls (what each does is in that file). The parent kills
-its process group at the wall-clock timeout, and the folder is removed.
+The child (`minigrpo/confine.py`) is an isolated interpreter (`python -I -S`: no site-packages) with a
+scrubbed environment, confined by the kernel: rlimits, new user/pid/network namespaces, a root of its own
+(the standard library and shared libraries read-only and an empty folder: nothing else exists for it, not even
+for `stat`), Landlock for the filesystem and seccomp for system calls (what each does is in that file). The
+parent kills its process group at the wall-clock timeout, and the folder is removed.
+
+The child's first line on the result pipe reports its layers, written before the program runs, so nothing
+the program writes can pass for it; what follows is the program's results, and anything malformed there (not
+a list, nested too deep, a number too long to read or compare) is that program's failure, scored 0.
 
 The filesystem layer (Landlock) and a process layer (a pid namespace or seccomp) are required: where the
 kernel lacks them, `run_tests` raises `SandboxError` rather than run the program, unless the user allowed
@@ -65,17 +70,36 @@ def run_tests(program: str, function: str, tests: list[tuple[list, object]], *, 
            "memory_mb": memory_mb, "cpu_seconds": cpu_seconds, "disk_mb": DISK_MB, "require": require,
            "guard": second_layer}
     raw, timed_out = _run_child(job, timeout)
+    report, body = _report(raw)
+    if report and report["missing"]:
+        raise SandboxError(_refusal(report["layers"], report["missing"]))
     if timed_out:
         return Verdict(0, len(tests), "timeout")
+    if report is None:
+        return Verdict(0, len(tests), "no results (the sandbox could not start the program)")
     try:
-        outputs = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        return _verdict(json.loads(body), tests)
+    except (UnicodeDecodeError, json.JSONDecodeError):
         return Verdict(0, len(tests), "no results (the program exited or crashed before the tests ran)")
-    if isinstance(outputs, dict) and "missing" in outputs:
-        raise SandboxError(_refusal(outputs["layers"], outputs["missing"]))
-    if isinstance(outputs, dict) or not isinstance(outputs, list) or len(outputs) != len(tests):
+    except (ValueError, RecursionError, OverflowError, TypeError) as error:  # too deep, too long a number
+        return Verdict(0, len(tests), f"malformed results ({type(error).__name__})")
+
+
+def _report(raw: bytes) -> tuple[dict | None, bytes]:
+    """The harness's layers report (its first line, written before the program ran) and what follows."""
+    line, _, body = raw.partition(b"\n")
+    try:
+        report = json.loads(line)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None, body
+    ok = isinstance(report, dict) and isinstance(report.get("layers"), dict) and isinstance(report.get("missing"), list)
+    return (report if ok else None), body
+
+
+def _verdict(outputs, tests: list) -> Verdict:
+    if not isinstance(outputs, list) or len(outputs) != len(tests):
         detail = outputs.get("error", "") if isinstance(outputs, dict) else "malformed results"
-        return Verdict(0, len(tests), f"crashed: {detail}")
+        return Verdict(0, len(tests), f"crashed: {str(detail)[:300]}")
     passed, first_wrong = 0, None
     for i, ((_, expected), out) in enumerate(zip(tests, outputs)):
         if isinstance(out, dict) and "value" in out and _same(out["value"], expected):
@@ -157,12 +181,10 @@ def layers() -> dict:
     """What the kernel gives the sandbox's child on this machine, as the child itself found it:
     {"namespaces": "user+pid+net+ipc+uts", "landlock": ABI version or 0, "seccomp": bool, "missing": [...]}."""
     probe = {"probe": True, "memory_mb": 512, "cpu_seconds": 5, "disk_mb": DISK_MB, "require": REQUIRED}
-    raw, _ = _run_child(probe, 10.0)
-    try:
-        found = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    report, _ = _report(_run_child(probe, 10.0)[0])
+    if report is None:
         return {"namespaces": "", "landlock": 0, "seccomp": False, "missing": list(REQUIRED)}
-    return {**found["layers"], "missing": found["missing"]}
+    return {**report["layers"], "missing": report["missing"]}
 
 
 def describe(found: dict) -> str:

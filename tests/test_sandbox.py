@@ -140,6 +140,14 @@ ESCAPES = {
     "socket through _socket": "import _socket\n_socket.socket().connect(('127.0.0.1', {port}))",
     "socket through ctypes": LIBC + "if libc.syscall(41, 2, 1, 0) == -1: raise OSError",
     "abstract unix socket": "import _socket\n_socket.socket(_socket.AF_UNIX).connect('\\0minigrpo')",
+    # metadata: outside the program's own root nothing exists, not even for stat or inotify
+    "stat a file outside": "os.stat('{out}/canary.txt')",
+    "stat this test's /proc entry": "os.stat('/proc/{pid}')",
+    "list /proc": "os.listdir('/proc')",
+    "stat site-packages": f"os.stat({str(Path(sandbox.__file__).parent)!r})",
+    "inotify on a folder outside": (
+        LIBC + "fd = libc.inotify_init1(0)\nif fd < 0: raise OSError\n"
+        "if libc.inotify_add_watch(fd, b'{out}', 0xfff) < 0: raise OSError"),
     "symlink race to /etc/passwd": (
         "import threading\nopen('inside.txt', 'w').write('fine')\nstop = []\n"
         "def flip():\n    while not stop:\n        for target in ('inside.txt', '/etc/passwd'):\n"
@@ -259,7 +267,7 @@ def test_this_machine_confines_everything():
     """Every layer is active here (user namespaces and Landlock are available on this kernel)."""
     found = layers()
     assert found["missing"] == [] and found["landlock"] >= 1 and found["seccomp"], describe(found)
-    assert "user+pid+net" in found["namespaces"] and found["folder"].startswith("tmpfs")
+    assert "user+pid+net" in found["namespaces"] and found["folder"].startswith("own root, tmpfs")
 
 
 @pytest.mark.parametrize("have, required, lacking", [
@@ -380,3 +388,38 @@ def test_a_run_of_the_code_task_says_its_layers_and_refuses_without_them(monkeyp
     check_sandbox(get_task("code"), True, said.append)  # allowed: it says what there is and goes on
     assert said == [describe(lacking)] and os.environ[sandbox.ALLOW_ENV] == "1"
     monkeypatch.delenv(sandbox.ALLOW_ENV)
+
+
+# Replies a program writes to its own result pipe (it finds the descriptor by trying them): none may stop the
+# run or pass for a verdict. Each scores 0, named.
+FORGED = {
+    "the start-up probe's reply, saying a layer is missing": (
+        '{"layers": {"namespaces": "", "landlock": 0, "seccomp": false, "folder": ""}, "missing": ["filesystem"]}'),
+    "the probe's reply, then a newline and passing results": (
+        '{"layers": {"namespaces": "", "landlock": 0, "seccomp": false, "folder": ""}, "missing": []}\\n'
+        '[{"value": 5}, {"value": 6}, {"value": 0}]'),
+    "a result nested 300,000 deep": '[' * 300000 + ']' * 300000,
+    "a 5,000-digit integer": '[{"value": 1' + '0' * 5000 + '}, {"value": 6}, {"value": 0}]',
+}
+FORGE = """import os, stat
+def add(a, b):
+    for fd in range(3, 64):
+        try:
+            if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                os.write(fd, {reply!r}.encode())
+        except OSError:
+            pass
+    os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("name", FORGED)
+def test_forged_replies_score_zero_and_stop_nothing(name, machine):
+    verdict = run_tests(FORGE.format(reply=FORGED[name]), "add", TESTS)
+    assert verdict.passed == 0, f"{name}: {verdict}"
+
+
+@pytest.mark.parametrize("value, expected", [("10 ** 400", 1.5), ("10 ** 400", 2), ("float('nan')", 1.0)])
+def test_malformed_values_are_a_verdict_not_an_error(value, expected):
+    verdict = run_tests(f"def f():\n    return {value}\n", "f", [([], expected)])
+    assert verdict.passed == 0 and verdict.reason != "ok", verdict
