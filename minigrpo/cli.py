@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+
 import typer
 from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from minigrpo import supervise
 from minigrpo.cli_machine import machine_app
 from minigrpo.cli_talk import UNCONFINED_HELP, talk_app
 from minigrpo.config import PRESETS, TrainConfig
@@ -341,6 +344,14 @@ app.add_typer(talk_app)  # sample, chat
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["train"]:  # watched: see minigrpo/supervise.py
+        code = supervise.watch(sys.argv)
+        if code is not None:
+            sys.exit(code)
+        try:
+            app()
+        finally:
+            supervise.finished()
     app()
 
 

@@ -32,6 +32,7 @@ from minigrpo.plot import read_jsonl
 from minigrpo.rollout import PromptPool, collect
 from minigrpo.run import RunFolder
 from minigrpo.startup import load_for_training
+from minigrpo.supervise import progress
 from minigrpo.tasks import Task, check_sandbox, get_task
 from minigrpo.update import MicroBatches, Update, micro_batches, policy_update
 from minigrpo.weights import resolve_weights
@@ -43,6 +44,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
     """Train a LoRA adapter with GRPO as `cfg` says; returns the run folder. With `resume`, continue the
     run in cfg.output_dir from its latest complete checkpoint, exactly where it stopped."""
     seed_everything(cfg.seed)
+    progress(stage="checking the task and its rewards")
     task = get_task(cfg.task, cfg.rewards, extra_tools=cfg.tools)
     settle_budget(cfg, task)
     check_sandbox(task, cfg.allow_unconfined_code, print)
@@ -62,6 +64,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
     for note in notes:
         display.print(f"[yellow]warning[/]: {note}", highlight=False)
 
+    progress(run=str(run.path), stage="loading the model")
     loaded = load_for_training(cfg, display.print, task)
     if not resume:
         run.start(cfg)  # written only now that the run can start
@@ -90,16 +93,21 @@ def _train(cfg, resume, task, weights, train_rows, run, display, model, tokenize
     full = bool(cfg.eval_every)  # sampled as well as greedy; the before/after alone is greedy
     loaded_gb = memory_in_use_gb()  # the model, the engine and the data: what a step's peak stands on
     done = 0
-    if resume:
+    if resume and checkpoint.candidates(run.path):
         found, done = checkpoint.load_newest(run.path, model, optimizer, scheduler, prompts, generator, scaler,
                                              display.print)
-        checkpoint.truncate_logs(run.path, done, display.print)
         display.print(f"resumed from {found} (step {done})")
+    elif resume:  # it stopped before its first checkpoint
+        display.print(f"{run.path} has no checkpoint yet: starting it from step 0")
+    if resume:  # from step 0, its baseline evaluation is redone too
+        checkpoint.truncate_logs(run.path, done or -1, display.print)
 
     if evaluate and done == 0:
+        progress(step=0, stage="evaluating before training")
         display.eval(evaluate(0, full))  # before any training: the baseline every later evaluation is read against
 
     def save(at: int) -> Path:
+        progress(step=at, stage="saving a checkpoint")
         return checkpoint.save(run.path, at, model, optimizer, scheduler, prompts, generator, cfg.keep, scaler)
 
     stop = StopRequest()
@@ -124,6 +132,7 @@ def _train(cfg, resume, task, weights, train_rows, run, display, model, tokenize
                 if cfg.sample_every and samples and (step == 1 or step % cfg.sample_every == 0):
                     display.sample(step, random.Random(step).choice(samples))
                 if evaluate and (step == cfg.steps or (full and step % cfg.eval_every == 0)):
+                    progress(step=step, stage="evaluating")
                     display.eval(evaluate(step, full))
                 if stop.requested:
                     save(step)
@@ -222,6 +231,7 @@ def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generat
     clock = {"start": time.perf_counter()}
 
     # 1. rollout: G completions per prompt, scored (with --filter-groups, only groups with spread)
+    progress(step=step, stage="rollout")
     batch, info = collect(cfg, tokenizer, generator, task, weights, prompts)
     clock["rollout"], clock["generate_s"], clock["reward_s"] = time.perf_counter(), info.pop("generate_s"), \
         info.pop("reward_s")
@@ -234,6 +244,7 @@ def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generat
     advantages = L.advantages(rewards, cfg.num_generations, cfg.scale_rewards)  # [B]
 
     # 3. policy update: (reference log-probs,) clipped loss, backward, optimizer, micro-batch by micro-batch
+    progress(step=step, stage="update")
     model.train()
     mb = micro_batches(cfg, batch, tokenizer.pad_token_id, model.device)
     update = policy_update(cfg, model, mb, advantages, optimizer, scaler)
@@ -242,6 +253,7 @@ def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generat
     clock["update"] = time.perf_counter()
 
     # 4. the generator gets the new adapter
+    progress(step=step, stage="sync")
     generator.sync(model)
     clock["sync"] = time.perf_counter()
 
