@@ -61,7 +61,7 @@ def get_task(spec: str, extra_rewards: list[str] = (), seed: int = 0, extra_tool
     if spec in BUILT_IN:
         task = built_in(spec)
     elif spec.endswith(".py"):
-        task = _load_attr(Path(spec), "TASK")
+        task = _load_attr(Path(spec), "TASK", f"--task {spec}")
         if not isinstance(task, Task):
             raise ValueError(f"{spec}: TASK must be a minigrpo.tasks.Task, not {type(task).__name__}")
     elif spec.endswith(DATA_SUFFIXES):
@@ -152,7 +152,7 @@ def load_function(spec: str, flag: str, what: str) -> Callable:
     if not sep or not name:
         raise ValueError(f"{flag} {spec!r} must be file.py:function or module:function")
     if where.endswith(".py"):
-        fn = _load_attr(Path(where), name)
+        fn = _load_attr(Path(where), name, f"{flag} {spec}")
     else:
         try:
             module = importlib.import_module(where)
@@ -166,7 +166,9 @@ def load_function(spec: str, flag: str, what: str) -> Callable:
     return fn
 
 
-def _load_attr(path: Path, name: str):
+def _load_attr(path: Path, name: str, given: str = ""):
+    """`name` from the Python file `path`; a file that fails to load is named, with where (and `given`: the
+    flag that named it)."""
     if not path.is_file():
         raise FileNotFoundError(f"no such file: {path}" if not path.exists() else f"{path} is not a file")
     spec = importlib.util.spec_from_file_location(f"minigrpo_user_{path.stem}", path)
@@ -175,6 +177,10 @@ def _load_attr(path: Path, name: str):
         spec.loader.exec_module(module)
     except SyntaxError as error:
         raise ValueError(f"{error.filename}, line {error.lineno}: {error.msg} (a syntax error in your file)") from None
+    except SystemExit as error:  # its message alone would not say whose it was
+        raise ValueError(f"{path} called sys.exit({error.code!r}) while loading{f' ({given})' if given else ''}; "
+                         f"a file minigrpo loads must not exit at import (put that code under "
+                         f"`if __name__ == '__main__':`)") from None
     except Exception as error:  # the user's own frame, not ours: where in their file the import failed
         frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename != __file__
                   and "importlib" not in f.filename]

@@ -60,6 +60,18 @@ def schema(fn: Callable) -> dict:
     ValueError that says what the function lacks."""
     from transformers.utils import get_json_schema
 
+    name = getattr(fn, "__name__", repr(fn))
+    if inspect.isclass(fn):
+        raise ValueError(f"tool {name!r} is a class; a tool is a function: call the class in a function with "
+                         f"typed arguments and a docstring, and give that")
+    try:
+        takes_any = {p.kind for p in inspect.signature(fn).parameters.values()} & {
+            inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}
+    except (TypeError, ValueError):  # a builtin without a signature: transformers says what it lacks
+        takes_any = set()
+    if takes_any:
+        raise ValueError(f"tool {name!r} takes *args or **kwargs, which no schema can describe to the model; "
+                         f"give it named arguments, each with a type hint and an Args: line")
     try:
         return get_json_schema(fn)
     except Exception as error:  # transformers' own reasons: a missing hint, docstring or argument description

@@ -86,6 +86,38 @@ def test_a_tool_without_a_docstring_is_refused_with_the_fix():
         tools.schema(bare)
 
 
+def test_tools_no_schema_can_describe_are_refused_with_the_fix():
+    def any_args(*args: int, **kwargs: int) -> int:
+        """Adds.
+
+        Args:
+            args: Numbers.
+            kwargs: More numbers.
+        """
+        return sum(args)
+
+    class Klass:
+        """A class.
+
+        Args:
+            x: A number.
+        """
+
+        def __init__(self, x: int):
+            self.x = x
+
+    with pytest.raises(ValueError, match=r"'any_args' takes \*args or \*\*kwargs.*give it named arguments"):
+        tools.schema(any_args)
+    with pytest.raises(ValueError, match="'Klass' is a class; a tool is a function"):
+        tools.schema(Klass)
+
+
+def test_a_tool_file_that_exits_at_import_is_named(tmp_path):
+    (tmp_path / "t.py").write_text("import sys\nsys.exit('needs an API key')\n")
+    with pytest.raises(ValueError, match=r"t.py called sys.exit\('needs an API key'\) while loading \(--tool .*t.py:f\)"):
+        load_tool(f"{tmp_path / 't.py'}:f")
+
+
 def test_load_tool_from_a_file(tmp_path):
     (tmp_path / "t.py").write_text('def shout(text: str) -> str:\n    """Upper case.\n\n    Args:\n'
                                    '        text: The text.\n    """\n    return text.upper()\n'
