@@ -30,6 +30,7 @@ def check_task(t: Task, rows: list[dict], console: Console, model: str | None = 
     from minigrpo.console import shown
     from minigrpo.evaluate import sample_completions
 
+    preflight(t.rewards)
     judged, t = t, without_judges(t)
     if len(t.rewards) < len(judged.rewards):
         console.print("[yellow]note[/]: judge rewards are checked on sampled completions only (they need the "
@@ -110,6 +111,13 @@ def check_rewards(task: Task, rows: list[dict], completions: list, judge_spread:
     return reports
 
 
+def preflight(rewards: list) -> None:
+    """A reward that depends on something outside (a judge's server) checks it before anything trains."""
+    for fn in rewards:
+        if callable(getattr(fn, "preflight", None)):
+            fn.preflight()
+
+
 def without_judges(task: Task) -> Task:
     """The task with only the rewards that can run before a model loads: a judge (`precheck = False`)
     needs the model, and grades worked examples differently from run to run."""
@@ -181,6 +189,7 @@ def precheck_rewards(task: Task, weights: list[float], rows: list[dict], timeout
         return ([r["prompt"] for r in examples], [r["completion"] for r in examples], [[] for _ in examples],
                 rows_only)
 
+    preflight(task.rewards)
     task = without_judges(dataclasses.replace(task, weights=weights))
     if not task.rewards:
         return []

@@ -12,7 +12,11 @@ Each is a reward function under the usual contract (`--reward file.py:polite`). 
   (vLLM included): no second model and no extra memory, greedy, so a grade is repeatable;
 - `endpoint`: any OpenAI-compatible chat server (vLLM, llama.cpp, a hosted API), the key read from the
   environment variable `api_key_env`, `concurrency` requests at once, each with `timeout` seconds and `retries`
-  retries with exponential backoff (429 and 5xx; a refused key or a wrong address stops the run, named);
+  retries with exponential backoff (429, obeying Retry-After, and 5xx). The reward's time limit
+  (`--reward-timeout` per completion) is a hard deadline for the whole call, retries included: what is not
+  answered by then scores 0, counted. The endpoint is checked before training (`preflight`): a refused key,
+  an address that does not answer or does not resolve, or a rubric too long for its context stops the run,
+  named; mid-run failures are scored 0 and counted;
 - `RewardModel`: a sequence-classification model's first logit for (prompt, completion).
 Replies are parsed strictly (`Score: N` on a line of its own; in rank mode `N: score` once per completion): a
 reply that does not parse is the reward's counted error for that completion, scored 0. Grades are cached on
@@ -28,6 +32,7 @@ the rubric in a row scores 0, unasked).
 
 from __future__ import annotations
 
+import email.utils
 import hashlib
 import json
 import os
@@ -37,16 +42,18 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from minigrpo.scoring import text_of
+from minigrpo.scoring import text_of, time_left
 
 SYSTEM = "You are a strict, fair grader. You grade replies against a rubric and answer in the format asked."
 SCORE = re.compile(r"^\s*\**score\**\s*:\s*(\d+)\s*$", re.IGNORECASE | re.MULTILINE)
 RANK = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$", re.MULTILINE)
 _context: dict = {"generate": None, "log": None}  # what a run attaches: the base model's generation, the log
+MAX_RUBRIC_CHARS = 32_000  # about 8,000 tokens: where the judge's context is not known, a rubric longer is refused
 _judges: list = []  # every judge made, for the step's metrics
 _lock = threading.Lock()
 
@@ -116,6 +123,7 @@ class Judge:
     """A reward: a model's grade of each completion against `rubric`, from 0 to 1 (see the module)."""
 
     precheck = False  # not run on worked examples and stand-ins before the model loads
+    backoff = 0.5  # seconds before the first retry, doubling after each
 
     def __init__(self, rubric: str, *, name: str = "judge", scale: int = 10, mode: str = "score",
                  endpoint: str | None = None, model: str | None = None, api_key_env: str = "OPENAI_API_KEY",
@@ -126,6 +134,11 @@ class Judge:
             raise ValueError(f"Judge mode must be score or rank, not {mode!r}")
         if endpoint and not model:
             raise ValueError("a Judge with an endpoint needs the model name the server serves (model=...)")
+        if not rubric.strip():
+            raise ValueError(f"judge {name} has an empty rubric: say what a good reply does, and what each grade means")
+        if len(rubric) > MAX_RUBRIC_CHARS:
+            raise ValueError(f"judge {name}'s rubric is {len(rubric):,} characters, more than the "
+                             f"{MAX_RUBRIC_CHARS:,} it may be (it is sent with every completion): shorten it")
         self.__name__, self.rubric, self.scale, self.mode = name, rubric, scale, mode
         self.endpoint, self.model, self.api_key_env = endpoint and endpoint.rstrip("/"), model, api_key_env
         self.max_tokens, self.concurrency, self.timeout, self.retries = max_tokens, concurrency, timeout, retries
@@ -213,35 +226,85 @@ class Judge:
         return [reply for reply, _ in out]
 
     def _ask_endpoint(self, messages: list[list[dict]]) -> list:
-        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            return list(pool.map(self._post, messages))
+        """Ask concurrently; stop waiting at the deadline (the reward's time limit, less a margin to finish
+        in), so a server that never answers costs no more: what is unanswered then is a counted error."""
+        left = time_left()
+        deadline = time.monotonic() + left - min(1.0, 0.1 * left) if left is not None else None
+        stop = threading.Event()
+        pool = ThreadPoolExecutor(max_workers=self.concurrency)
+        futures = [pool.submit(self._post, m, deadline, stop) for m in messages]
+        try:
+            done, _ = wait(futures, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        finally:  # also on Ctrl-C: the workers stop retrying, and nobody waits for them
+            stop.set()
+            pool.shutdown(wait=False, cancel_futures=True)
+        return [f.result() if f in done else JudgeError(f"{self.endpoint}: no answer within the reward's time "
+                                                        f"limit ({left:g} s)") for f in futures]
 
-    def _post(self, messages: list[dict]):
+    def _post(self, messages: list[dict], deadline: float | None, stop: threading.Event):
         body = json.dumps({"model": self.model, "messages": messages, "max_tokens": self.max_tokens,
                            "temperature": 0}).encode()
         headers = {"Content-Type": "application/json"}
         if os.environ.get(self.api_key_env):
             headers["Authorization"] = f"Bearer {os.environ[self.api_key_env]}"
+        failure = JudgeError(f"{self.endpoint}: no answer within the reward's time limit")
         for attempt in range(self.retries + 1):
+            left = self.timeout if deadline is None else min(self.timeout, deadline - time.monotonic())
+            if left <= 0 or stop.is_set():
+                return failure
             try:
                 request = urllib.request.Request(f"{self.endpoint}/chat/completions", body, headers)
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                with urllib.request.urlopen(request, timeout=left) as response:
                     data = json.loads(response.read())
                 usage = data.get("usage") or {}
                 self._count(tokens=usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0))
                 return data["choices"][0]["message"]["content"] or ""
             except urllib.error.HTTPError as error:
                 if error.code in (401, 403, 404):
-                    raise JudgeUnavailable(f"judge {self.__name__}: {self.endpoint} answered {error.code} "
-                                           f"({error.reason}): check the address, model={self.model!r} and the "
-                                           f"key in ${self.api_key_env}") from None
+                    raise self._unavailable(f"answered {error.code} ({error.reason})") from None
                 failure = JudgeError(f"{self.endpoint} answered {error.code} ({error.reason})")
-                wait = float(error.headers.get("Retry-After") or 0) if error.code == 429 else 0
-            except (urllib.error.URLError, TimeoutError, OSError, KeyError, IndexError, ValueError) as error:
-                failure, wait = JudgeError(f"{self.endpoint}: {error}"), 0
-            if attempt < self.retries:
-                time.sleep(max(wait, 0.5 * 2 ** attempt))
+                wait_s = retry_after(error.headers.get("Retry-After")) if error.code == 429 else 0.0
+            except (urllib.error.URLError, TimeoutError, OSError, KeyError, IndexError, TypeError, ValueError) as error:
+                failure, wait_s = JudgeError(f"{self.endpoint}: {error}"), 0.0
+            pause = max(wait_s, self.backoff * 2 ** attempt)
+            if deadline is None:
+                pause = min(pause, self.timeout)  # a Retry-After of an hour is not waited out
+            elif time.monotonic() + pause >= deadline:
+                break  # no retry would be answered in time
+            if attempt == self.retries or stop.wait(pause):
+                break
         return failure
+
+    def preflight(self) -> None:
+        """Before training: the endpoint answers, the key is taken, and the rubric fits the judge's context
+        where the server says it (vLLM's /models gives max_model_len). Raises JudgeUnavailable, named."""
+        if not self.endpoint:
+            return
+        headers = {"Authorization": f"Bearer {os.environ[self.api_key_env]}"} if os.environ.get(self.api_key_env) else {}
+        try:
+            with urllib.request.urlopen(urllib.request.Request(f"{self.endpoint}/models", headers=headers),
+                                        timeout=min(self.timeout, 10.0)) as response:
+                listed = json.loads(response.read()).get("data") or []
+        except urllib.error.HTTPError as error:
+            if error.code in (401, 403):
+                raise self._unavailable(f"answered {error.code} ({error.reason})") from None
+            return  # it answers; not every server lists its models
+        except (urllib.error.URLError, TimeoutError, OSError) as error:
+            reason = getattr(error, "reason", error)
+            raise self._unavailable(f"did not answer ({reason}); start the server or fix the address "
+                                    f"(nothing was trained)") from None
+        except (ValueError, AttributeError):
+            return
+        context = next((m.get("max_model_len") for m in listed if isinstance(m, dict) and m.get("id") == self.model), None)
+        needed = len(self.rubric) // 3 + self.max_tokens + 256  # a rough token count, the grade, a short reply
+        if isinstance(context, int) and needed > context:
+            raise JudgeUnavailable(f"judge {self.__name__}: the rubric (about {len(self.rubric) // 3:,} tokens) and "
+                                   f"max_tokens={self.max_tokens} leave no room for the reply in {self.model}'s "
+                                   f"context of {context:,} tokens: shorten the rubric")
+
+    def _unavailable(self, what: str) -> JudgeUnavailable:
+        return JudgeUnavailable(f"judge {self.__name__}: {self.endpoint} {what}: check the address, "
+                                f"model={self.model!r} and the key in ${self.api_key_env}")
 
     def _count(self, **amounts: int) -> None:
         with _lock:
@@ -259,6 +322,31 @@ class Judge:
 
 class JudgeError(RuntimeError):
     """A judge that could not be reached for one completion after its retries: that completion's error."""
+
+
+def retry_after(value: str | None, now: datetime | None = None) -> float:
+    """Seconds to wait as a Retry-After header says (RFC 9110: a number of seconds, or an HTTP date);
+    0 for anything else.
+
+    >>> retry_after("3")
+    3.0
+    >>> retry_after("Wed, 21 Oct 2026 07:28:30 GMT", now=datetime(2026, 10, 21, 7, 28, tzinfo=timezone.utc))
+    30.0
+    >>> retry_after("soon"), retry_after(None)
+    (0.0, 0.0)
+    """
+    if not value:
+        return 0.0
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return 0.0
+    when = when if when.tzinfo else when.replace(tzinfo=timezone.utc)
+    return max(0.0, (when - (now or datetime.now(timezone.utc))).total_seconds())
 
 
 class RewardModel:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import copy
 import functools
 import inspect
@@ -32,11 +33,13 @@ import math
 import signal
 import sys
 import threading
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
 RESERVED = {"prompts", "completions", "completion_ids"}
+_deadline: contextvars.ContextVar = contextvars.ContextVar("minigrpo_deadline", default=None)  # see time_left
 SLOW_NOTICE_S = 10.0  # a reward call running this long is announced, so a slow reward is not a silent hang
 
 
@@ -150,8 +153,13 @@ def time_limit(seconds: float | None, what: str, hint: str = ""):
     """Interrupt the call after `seconds` (SIGALRM: main thread, POSIX), and say so when it takes long.
     `what` names the user's code in the notice ("reward function f"); `hint` says how to change the limit."""
     use_alarm = seconds and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    token = _deadline.set(time.monotonic() + seconds) if seconds else None
     if not use_alarm:
-        yield
+        try:
+            yield
+        finally:
+            if token:
+                _deadline.reset(token)
         return
 
     def expire(signum, frame):
@@ -170,6 +178,14 @@ def time_limit(seconds: float | None, what: str, hint: str = ""):
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
         notice.cancel()
+        _deadline.reset(token)
+
+
+def time_left() -> float | None:
+    """Seconds left before the innermost `time_limit` ends the call (None: no limit). Code that waits on
+    something outside, a judge's server, stops waiting in time to return what it has."""
+    deadline = _deadline.get()
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 @contextlib.contextmanager

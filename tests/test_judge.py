@@ -5,7 +5,6 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import SimpleNamespace
 
 import pytest
 
@@ -108,6 +107,11 @@ class Grader(BaseHTTPRequestHandler):
         self._send(200, {"choices": [{"message": {"role": "assistant", "content": content}}],
                          "usage": {"prompt_tokens": 100, "completion_tokens": 5}})
 
+    def do_GET(self):
+        if self.path != "/v1/models":
+            return self._send(404, {"error": "no"})
+        self._send(200, {"object": "list", "data": [{"id": "grader", "object": "model", "max_model_len": 2048}]})
+
     def _send(self, code, data, headers=()):
         payload = json.dumps(data).encode()
         self.send_response(code)
@@ -128,7 +132,7 @@ def grader(monkeypatch):
     server = ThreadingHTTPServer(("127.0.0.1", 0), Grader)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     monkeypatch.setenv("GRADER_KEY", "sesame")
-    monkeypatch.setattr(J, "time", SimpleNamespace(sleep=lambda seconds: None))  # no waiting between retries
+    monkeypatch.setattr(Judge, "backoff", 0.0)  # no waiting between retries
     yield f"http://127.0.0.1:{server.server_address[1]}/v1"
     server.shutdown()
 
@@ -235,3 +239,106 @@ def test_the_haiku_task_is_judged_by_the_base_model(tmp_path):
     assert "reward/haiku_judge/mean" in metrics
     # every completion was gated (not three short lines), or asked, or found in the cache
     assert sum(metrics.get(f"judge/haiku_judge/{key}", 0) for key in ("gated", "calls", "cached")) == 4
+
+
+class Stuck(BaseHTTPRequestHandler):
+    """Accepts every request and never answers (until the test ends); or, for /v1/limited, answers 429 with
+    the Retry-After the server was given."""
+    release = threading.Event()
+    retry_after = "3600"
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if self.path.startswith("/v1/limited"):
+            payload = b"{}"
+            self.send_response(429)
+            self.send_header("Retry-After", Stuck.retry_after)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+            return
+        Stuck.release.wait()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def stuck():
+    Stuck.release.clear()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Stuck)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    Stuck.release.set()
+    server.shutdown()
+
+
+def test_a_judge_that_never_answers_costs_no_more_than_the_reward_time_limit(stuck):
+    judge = Judge("x", name="hung", endpoint=f"{stuck}/v1", model="m")  # the defaults: 60 s, 3 retries
+    n, per_completion = 4, 1.0
+    start = time.monotonic()
+    with pytest.warns(UserWarning, match="could not score 4 of 4.*no answer within the reward's time limit"):
+        result = score([judge], [1.0], ["p"] * n, ["a", "b", "c", "d"], [[]] * n, [{"prompt": "p"}] * n,
+                       timeout=per_completion)
+    elapsed = time.monotonic() - start
+    assert result.totals == [0.0] * n and result.errors == {"hung": n}
+    # the limit is n x per_completion for the call; before, the stuck workers were waited for and each
+    # completion was then retried alone (25 s for a 2 s limit)
+    assert elapsed < n * per_completion + 3.0, elapsed
+
+
+@pytest.mark.parametrize("header", ["3600", "Wed, 21 Oct 2099 07:28:00 GMT"])
+def test_a_long_retry_after_is_cut_to_the_deadline(stuck, header, monkeypatch):
+    monkeypatch.setattr(Stuck, "retry_after", header)
+    judge = Judge("x", name="limited", endpoint=f"{stuck}/v1/limited", model="m")
+    start = time.monotonic()
+    with pytest.warns(UserWarning, match="could not score 2 of 2.*429"):
+        result = score([judge], [1.0], ["p"] * 2, ["a", "b"], [[]] * 2, [{"prompt": "p"}] * 2, timeout=1.0)
+    assert result.totals == [0.0, 0.0] and time.monotonic() - start < 2.0 + 3.0
+
+
+def test_ctrl_c_reaches_through_a_judge_waiting_out_retry_after(stuck):
+    import os
+    import signal
+
+    judge = Judge("x", name="limited", endpoint=f"{stuck}/v1/limited", model="m")  # no deadline: waits 60 s
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        judge(["p"], ["a"])
+    assert time.monotonic() - start < 30
+
+
+def test_an_endpoint_that_cannot_be_reached_stops_before_training(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for endpoint, says in ((f"http://127.0.0.1:{port}/v1", "Connection refused"),
+                           ("http://judge.invalid/v1", "did not answer")):
+        with pytest.raises(J.JudgeUnavailable, match=f"judge far: {endpoint} did not answer.*{says}|{says}"):
+            Judge("x", name="far", endpoint=endpoint, model="m").preflight()
+    # and through the command line, before any model loads or folder is made
+    from typer.testing import CliRunner
+
+    from minigrpo.cli import app
+
+    (tmp_path / "grade.py").write_text(f"from minigrpo.judge import Judge\n"
+                                       f"far = Judge('Polite: 10.', name='far', endpoint='http://127.0.0.1:{port}/v1', model='m')\n")
+    result = CliRunner().invoke(app, ["train", "--reward", f"{tmp_path / 'grade.py'}:far",
+                                      "--output-dir", str(tmp_path / "run")])
+    assert result.exit_code == 1 and "judge far" in result.output and "did not answer" in result.output, result.output
+    assert "Traceback" not in result.output and not (tmp_path / "run").exists()
+
+
+def test_rubrics_that_cannot_work_are_refused(grader):
+    with pytest.raises(ValueError, match="judge empty has an empty rubric"):
+        Judge("  \n", name="empty")
+    with pytest.raises(ValueError, match="rubric is 1,000,000 characters"):
+        Judge("x" * 1_000_000, name="huge")
+    long = Judge("Be kind. " * 800, name="long", endpoint=grader, model="grader", api_key_env="GRADER_KEY")
+    with pytest.raises(J.JudgeUnavailable, match="leave no room for the reply in grader's context of 2,048 tokens"):
+        long.preflight()
+    Judge("Be kind.", name="fits", endpoint=grader, model="grader", api_key_env="GRADER_KEY").preflight()
