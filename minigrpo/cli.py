@@ -77,6 +77,8 @@ def train(
     eval_every: int = typer.Option(0, help="A full evaluation (greedy and sampled) every N steps (0: never)."),
     eval_prompts: int = typer.Option(64, help="Held-out prompts per evaluation."),
     eval_samples: int = typer.Option(4, help="Samples per held-out prompt for the mean reward."),
+    eval_data: str = typer.Option(None, help="A data file of held-out rows to evaluate on [default: the task's "
+                                             "own held-out split; a data file holds out a tenth of its rows]."),
     lora_rank: int = typer.Option(None, help=f"LoRA rank (alpha = 2 x rank). {PRESET_HELP}"),
     temperature: float = typer.Option(1.0, help="Sampling temperature."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling threshold."),
@@ -111,19 +113,36 @@ def train(
         config = Path(resume) / "config.json"
         if not config.exists():
             raise typer.BadParameter(f"{resume} is not a run folder (it has no config.json)")
-        fixed = [f"--{name.replace('_', '-')}" for name in ctx.params if name not in ("resume", "steps")
-                 and getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"]
-        if fixed:
-            raise typer.BadParameter(f"--resume continues {resume} with the settings in its config.json; "
-                                     f"{', '.join(fixed)} cannot change (only --steps can). Start a new run "
-                                     f"to change them")
         cfg = TrainConfig.load(config)
+        changed = changed_flags(ctx, cfg)
+        if changed:
+            raise typer.BadParameter(f"--resume continues {resume} with the settings in its config.json, and "
+                                     f"only --steps can change: {'; '.join(changed)}. Drop the flag, or start a "
+                                     f"new run to change it")
         if steps is not None:
             cfg.steps = steps
         cfg.output_dir = resume
     else:
         cfg = config_from_flags(ctx.params)
     run_training(cfg, resume=bool(resume))
+
+
+RENAMED = {"reward": "rewards", "reward_weight": "reward_weights", "tool": "tools"}  # flag -> config field
+
+
+def changed_flags(ctx: typer.Context, saved: TrainConfig) -> list[str]:
+    """The flags given on this command line whose values differ from the resumed run's config, each with
+    both values: re-running the same command with --resume appended changes nothing, so it is accepted."""
+    changed = []
+    for name, given in ctx.params.items():
+        if name in ("resume", "steps") or getattr(ctx.get_parameter_source(name), "name", "") != "COMMANDLINE":
+            continue
+        field = RENAMED.get(name, name)
+        before = getattr(saved, field, None)
+        given = list(given) if isinstance(given, (list, tuple)) else given
+        if given != (list(before) if isinstance(before, (list, tuple)) else before):
+            changed.append(f"--{name.replace('_', '-')} is {before!r} in the run, {given!r} here")
+    return changed
 
 
 def config_from_flags(params: dict) -> TrainConfig:
@@ -198,6 +217,8 @@ def eval_command(
                                              f"{TrainConfig.max_turns}]."),
     out: str = typer.Option(None, help="Folder for eval.jsonl [default: the adapter's run folder]."),
     seed: int = typer.Option(None, help="Seed of the held-out split [default: the run's, else 0]."),
+    eval_data: str = typer.Option(None, help="A data file of held-out rows [default: the run's --eval-data, else "
+                                             "the task's held-out split]."),
     allow_unconfined_code: bool = typer.Option(False, help=UNCONFINED_HELP),
 ) -> None:
     """Evaluate the base model or a trained adapter on the task's held-out split: pass@1 and mean reward."""
@@ -218,7 +239,7 @@ def eval_command(
     folder = results_folder(Path(out), "--out") if out else adapter.parent if adapter else None
     # the run's own seed by default: it decides the held-out split, which must be the one training never saw
     policy, tokenizer, cfg = load_trained(adapter, model, max_new_tokens=max_new_tokens, max_turns=max_turns,
-                                          eval_prompts=prompts, eval_samples=samples, seed=seed)
+                                          eval_prompts=prompts, eval_samples=samples, seed=seed, eval_data=eval_data)
     seed_everything(cfg.seed)
     settle_budget(cfg, t)
     generator = HFGenerator(policy, tokenizer)

@@ -116,6 +116,7 @@ class TrainConfig:
     eval_every: int = 0  # a full evaluation (greedy and sampled) every this many steps, at 0 and the end; 0 never
     eval_prompts: int = 64  # held-out prompts per evaluation (at most the split's size)
     eval_samples: int = 4  # samples per prompt for the mean reward (plus one greedy for pass@1)
+    eval_data: str | None = None  # a data file of held-out rows; None: the task's own held-out split
 
     # memory
     micro_batch_size: int = 8  # completions per forward/backward; gradients accumulate across them

@@ -60,12 +60,14 @@ class Display:
     def eval(self, r: dict) -> None:
         self.print(f"[bold]held-out[/] step {r['step']}: {describe_eval(r)}", highlight=False)
 
-    def before_after(self, evals: list[dict]) -> None:
-        """The line a first run must not miss: what training did on prompts it never saw."""
+    def before_after(self, evals: list[dict], source: str | None = None) -> None:
+        """The line a first run must not miss: what training did on prompts it never saw (or, with
+        `source`, the user's own held-out file, which minigrpo cannot vouch for)."""
         first, last = (evals[0], evals[-1]) if evals else (None, None)
         if not evals or first["step"] != 0 or last["step"] == 0:
             return
-        self.print(f"[bold green]held-out, {first['prompts']} prompts never trained on: pass@1 {first['pass@1']:.3f} "
+        which = f"prompts of {source}" if source else "prompts never trained on"
+        self.print(f"[bold green]held-out, {first['prompts']} {which}: pass@1 {first['pass@1']:.3f} "
                    f"-> {last['pass@1']:.3f}, greedy mean reward {first['greedy_reward/mean']:.3f} -> "
                    f"{last['greedy_reward/mean']:.3f} (step 0 -> {last['step']})[/]", highlight=False)
 

@@ -19,7 +19,35 @@ from pathlib import Path
 from minigrpo.config import TrainConfig
 from minigrpo.generation import Generator, HFGenerator, Sampling
 from minigrpo.scoring import score
-from minigrpo.tasks import Task
+from minigrpo.tasks import Task, read_rows
+
+
+HOW_TO_HOLD_OUT = "give --eval-data FILE (rows kept out of training), or a data file of 10 rows or more (a tenth is held out)"
+
+
+def held_out_rows(cfg: TrainConfig, task: Task) -> list[dict]:
+    """The rows an evaluation uses: --eval-data's, or the task's own held-out split; at most eval_prompts."""
+    rows = read_rows(Path(cfg.eval_data)) if cfg.eval_data else task.make_data("test", cfg.seed)
+    return rows[:cfg.eval_prompts]
+
+
+def settle_evaluation(cfg: TrainConfig, task: Task, train_rows: list[dict]) -> str | None:
+    """Before the model loads: a task with no held-out rows (a small data file) trains anyway, its default
+    before/after evaluation skipped with a note (returned); an evaluation asked for (--eval-every) stops.
+    --eval-data must be a file, and a note says when its prompts are among the training ones."""
+    if cfg.eval_data and not Path(cfg.eval_data).is_file():
+        raise ValueError(f"--eval-data {cfg.eval_data}: no such file; give a data file of held-out rows")
+    if not (cfg.eval_every or cfg.eval_before_after):
+        return None
+    rows = held_out_rows(cfg, task)
+    if not rows and cfg.eval_every:
+        raise ValueError(f"--eval-every {cfg.eval_every}: task {task.name} has no held-out rows; {HOW_TO_HOLD_OUT}")
+    if not rows:
+        cfg.eval_before_after = False
+        return f"task {task.name} has no held-out rows, so the before/after evaluation is skipped; for it, {HOW_TO_HOLD_OUT}"
+    trained = {json.dumps(r["prompt"], sort_keys=True) for r in train_rows}
+    seen = sum(json.dumps(r["prompt"], sort_keys=True) in trained for r in rows)
+    return f"{seen} of the {len(rows)} held-out prompts are also training prompts" if seen else None
 
 
 class Evaluator:
@@ -27,9 +55,9 @@ class Evaluator:
                  out_dir: Path | None):
         self.cfg, self.task, self.weights = cfg, task, weights
         self.tokenizer, self.generator = tokenizer, generator
-        self.rows = task.make_data("test", cfg.seed)[:cfg.eval_prompts]
+        self.rows = held_out_rows(cfg, task)
         if not self.rows:
-            raise ValueError(f"task {task.name} has no held-out rows to evaluate on")
+            raise ValueError(f"task {task.name} has no held-out rows to evaluate on: {HOW_TO_HOLD_OUT}")
         self.out = Path(out_dir) / "eval.jsonl" if out_dir else None
 
     def __call__(self, step: int | None = None, with_samples: bool = True) -> dict:

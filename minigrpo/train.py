@@ -25,6 +25,7 @@ from minigrpo.check import precheck_rewards
 from minigrpo.config import PRESETS, TrainConfig
 from minigrpo.console import Display
 from minigrpo.episodes import settle_budget
+from minigrpo.evaluate import Evaluator, settle_evaluation
 from minigrpo.generation import Generator
 from minigrpo.hardware import memory_in_use_gb, peak_memory_gb, reserved_memory_gb
 from minigrpo.model import lora_parameters, seed_everything
@@ -56,6 +57,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
     # a broken reward, a bad row, a folder that is not ours, weights out of reach: all stop here, before any
     # model loads or a run folder is made
     notes = precheck_rewards(task, weights, train_rows, cfg.reward_timeout)
+    notes += filter(None, [settle_evaluation(cfg, task, train_rows)])
     resolve_weights(cfg.hub_id)
     run = RunFolder(Path(cfg.output_dir), cfg.report_to) if resume else RunFolder.claim(cfg)
     display = Display(cfg.steps)
@@ -87,8 +89,6 @@ def _train(cfg, resume, task, weights, train_rows, run, display, model, tokenize
     prompts = PromptPool(train_rows, cfg.seed, cfg.retire_solved)
     evaluate = None
     if cfg.eval_every or cfg.eval_before_after:
-        from minigrpo.evaluate import Evaluator
-
         evaluate = Evaluator(cfg, task, weights, tokenizer, generator, run.path)
     full = bool(cfg.eval_every)  # sampled as well as greedy; the before/after alone is greedy
     loaded_gb = memory_in_use_gb()  # the model, the engine and the data: what a step's peak stands on
@@ -150,7 +150,7 @@ def _train(cfg, resume, task, weights, train_rows, run, display, model, tokenize
         raise
     adapter = run.save_adapter(model)
     display.print(f"adapter saved to {adapter}")
-    display.before_after(read_jsonl(run.path / "eval.jsonl"))
+    display.before_after(read_jsonl(run.path / "eval.jsonl"), cfg.eval_data)
     return run.path
 
 

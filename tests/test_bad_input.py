@@ -236,10 +236,17 @@ def test_each_answer_of_the_hub_is_named_with_what_to_do(monkeypatch):
         model.resolve_weights("someone/model")
 
 
-def test_resume_refuses_settings_that_cannot_change(tmp_path):
-    TrainConfig(output_dir=str(tmp_path)).save(tmp_path / "config.json")
-    one_line_error(*cli("train", "--resume", tmp_path, "--model", "qwen-1.5b", "--beta", "0.1"),
-                   "--model, --beta cannot change")
+def test_resume_takes_the_same_options_and_names_those_that_differ(tmp_path):
+    TrainConfig(output_dir=str(tmp_path), beta=0.1, rewards=["r.py:r"]).save(tmp_path / "config.json")
+    code, output = cli("train", "--resume", tmp_path, "--model", "qwen-1.5b", "--beta", "0.1", "--reward", "r.py:r")
+    one_line_error(code, output, "only --steps can change: --model is 'smollm2-135m' in the run, 'qwen-1.5b' here")
+    assert "--beta" not in output and "--reward" not in output
+    # the command that started it, with --resume appended, passes that check (and goes on to load the task;
+    # its reward file is gone here, which is what stops it)
+    code, output = cli("train", "--resume", tmp_path, "--model", "smollm2-135m", "--beta", "0.1", "--reward", "r.py:r",
+                       "--output-dir", tmp_path)
+    one_line_error(code, output, "no such file: r.py")
+    assert "only --steps can change" not in output
 
 
 def test_lengths_beyond_the_model_are_refused_before_it_loads(tmp_path):
@@ -377,3 +384,21 @@ def test_a_run_survives_none_rewards_and_resumes_past_damage(tmp_path):
     assert "step-000002 cannot be read" in flat and "resumed from" in flat and "step-000001" in flat
     assert "half-written" in flat
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_a_small_data_file_trains_and_says_the_before_after_was_skipped(tmp_path):
+    data = write(tmp_path / "ok.jsonl", '{"prompt": "Say hi."}\n{"prompt": "Say yes."}\n{"prompt": "Say no."}\n')
+    small = ["-G", "2", "--prompts-per-step", "2", "--max-new-tokens", "8"]
+    code, output = cli("train", "--task", data, "--reward", a_reward(tmp_path), "--steps", "1", *small,
+                       "--output-dir", tmp_path / "run")
+    assert code == 0, output
+    assert "task ok has no held-out rows, so the before/after evaluation is skipped; for it, give --eval-data" in output
+    one_line_error(*cli("train", "--task", data, "--reward", a_reward(tmp_path), "--eval-every", "1",
+                        "--output-dir", tmp_path / "run2"), "--eval-every 1: task ok has no held-out rows")
+    one_line_error(*cli("train", "--task", data, "--reward", a_reward(tmp_path), "--eval-data", tmp_path / "nope.jsonl",
+                        "--output-dir", tmp_path / "run2"), "nope.jsonl: no such file")
+    held_out = write(tmp_path / "held.jsonl", '{"prompt": "Say maybe."}\n{"prompt": "Say no."}\n')
+    code, output = cli("train", "--task", data, "--reward", a_reward(tmp_path), "--eval-data", held_out, "--steps",
+                       "1", *small, "--output-dir", tmp_path / "run3")
+    assert code == 0 and "1 of the 2 held-out prompts are also training prompts" in output, output
+    assert f"held-out, 2 prompts of {held_out}: pass@1" in output
