@@ -32,22 +32,17 @@ the rubric in a row scores 0, unasked).
 
 from __future__ import annotations
 
-import email.utils
 import hashlib
 import json
 import os
 import re
 import sqlite3
 import threading
-import time
-import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor, wait
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from minigrpo.scoring import text_of, time_left
+from minigrpo.judge_client import ChatEndpoint, JudgeError, JudgeUnavailable
+from minigrpo.scoring import text_of
 
 SYSTEM = "You are a strict, fair grader. You grade replies against a rubric and answer in the format asked."
 SCORE = re.compile(r"^\s*\**score\**\s*:\s*(\d+)\s*$", re.IGNORECASE | re.MULTILINE)
@@ -60,10 +55,6 @@ _lock = threading.Lock()
 
 class MalformedReply(ValueError):
     """The judge's reply did not follow the asked format: that completion's error, scored 0."""
-
-
-class JudgeUnavailable(ValueError):
-    fatal = True  # a refused key, a wrong address, no model to judge with: the run stops, named
 
 
 def attach(generate: Callable | None = None, run_dir: Path | None = None) -> None:
@@ -123,7 +114,6 @@ class Judge:
     """A reward: a model's grade of each completion against `rubric`, from 0 to 1 (see the module)."""
 
     precheck = False  # not run on worked examples and stand-ins before the model loads
-    backoff = 0.5  # seconds before the first retry, doubling after each
 
     def __init__(self, rubric: str, *, name: str = "judge", scale: int = 10, mode: str = "score",
                  endpoint: str | None = None, model: str | None = None, api_key_env: str = "OPENAI_API_KEY",
@@ -144,6 +134,7 @@ class Judge:
         self.max_tokens, self.concurrency, self.timeout, self.retries = max_tokens, concurrency, timeout, retries
         self.gate, self.max_chars = gate, max_chars
         self.use_cache, self.cache = cache, None  # opened at the first call, not at import
+        self.client = endpoint and ChatEndpoint(self.endpoint, model, api_key_env, timeout, retries, concurrency, name)
         self.counts = dict.fromkeys(("calls", "cached", "tokens", "errors", "gated"), 0)
         _judges.append(self)
 
@@ -210,8 +201,8 @@ class Judge:
         todo = [i for i, r in enumerate(replies) if r is None]
         self._count(cached=len(messages) - len(todo), calls=len(todo))
         if todo:
-            fresh = self._ask_endpoint([messages[i] for i in todo]) if self.endpoint else \
-                self._ask_base([messages[i] for i in todo])
+            asks = [messages[i] for i in todo]
+            fresh = self.client.ask(asks, self.max_tokens, self._count) if self.client else self._ask_base(asks)
             for i, reply in zip(todo, fresh):
                 replies[i] = reply
         return replies
@@ -225,86 +216,10 @@ class Judge:
         self._count(tokens=sum(tokens for _, tokens in out))
         return [reply for reply, _ in out]
 
-    def _ask_endpoint(self, messages: list[list[dict]]) -> list:
-        """Ask concurrently; stop waiting at the deadline (the reward's time limit, less a margin to finish
-        in), so a server that never answers costs no more: what is unanswered then is a counted error."""
-        left = time_left()
-        deadline = time.monotonic() + left - min(1.0, 0.1 * left) if left is not None else None
-        stop = threading.Event()
-        pool = ThreadPoolExecutor(max_workers=self.concurrency)
-        futures = [pool.submit(self._post, m, deadline, stop) for m in messages]
-        try:
-            done, _ = wait(futures, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
-        finally:  # also on Ctrl-C: the workers stop retrying, and nobody waits for them
-            stop.set()
-            pool.shutdown(wait=False, cancel_futures=True)
-        return [f.result() if f in done else JudgeError(f"{self.endpoint}: no answer within the reward's time "
-                                                        f"limit ({left:g} s)") for f in futures]
-
-    def _post(self, messages: list[dict], deadline: float | None, stop: threading.Event):
-        body = json.dumps({"model": self.model, "messages": messages, "max_tokens": self.max_tokens,
-                           "temperature": 0}).encode()
-        headers = {"Content-Type": "application/json"}
-        if os.environ.get(self.api_key_env):
-            headers["Authorization"] = f"Bearer {os.environ[self.api_key_env]}"
-        failure = JudgeError(f"{self.endpoint}: no answer within the reward's time limit")
-        for attempt in range(self.retries + 1):
-            left = self.timeout if deadline is None else min(self.timeout, deadline - time.monotonic())
-            if left <= 0 or stop.is_set():
-                return failure
-            try:
-                request = urllib.request.Request(f"{self.endpoint}/chat/completions", body, headers)
-                with urllib.request.urlopen(request, timeout=left) as response:
-                    data = json.loads(response.read())
-                usage = data.get("usage") or {}
-                self._count(tokens=usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0))
-                return data["choices"][0]["message"]["content"] or ""
-            except urllib.error.HTTPError as error:
-                if error.code in (401, 403, 404):
-                    raise self._unavailable(f"answered {error.code} ({error.reason})") from None
-                failure = JudgeError(f"{self.endpoint} answered {error.code} ({error.reason})")
-                wait_s = retry_after(error.headers.get("Retry-After")) if error.code == 429 else 0.0
-            except (urllib.error.URLError, TimeoutError, OSError, KeyError, IndexError, TypeError, ValueError) as error:
-                failure, wait_s = JudgeError(f"{self.endpoint}: {error}"), 0.0
-            pause = max(wait_s, self.backoff * 2 ** attempt)
-            if deadline is None:
-                pause = min(pause, self.timeout)  # a Retry-After of an hour is not waited out
-            elif time.monotonic() + pause >= deadline:
-                break  # no retry would be answered in time
-            if attempt == self.retries or stop.wait(pause):
-                break
-        return failure
-
     def preflight(self) -> None:
-        """Before training: the endpoint answers, the key is taken, and the rubric fits the judge's context
-        where the server says it (vLLM's /models gives max_model_len). Raises JudgeUnavailable, named."""
-        if not self.endpoint:
-            return
-        headers = {"Authorization": f"Bearer {os.environ[self.api_key_env]}"} if os.environ.get(self.api_key_env) else {}
-        try:
-            with urllib.request.urlopen(urllib.request.Request(f"{self.endpoint}/models", headers=headers),
-                                        timeout=min(self.timeout, 10.0)) as response:
-                listed = json.loads(response.read()).get("data") or []
-        except urllib.error.HTTPError as error:
-            if error.code in (401, 403):
-                raise self._unavailable(f"answered {error.code} ({error.reason})") from None
-            return  # it answers; not every server lists its models
-        except (urllib.error.URLError, TimeoutError, OSError) as error:
-            reason = getattr(error, "reason", error)
-            raise self._unavailable(f"did not answer ({reason}); start the server or fix the address "
-                                    f"(nothing was trained)") from None
-        except (ValueError, AttributeError):
-            return
-        context = next((m.get("max_model_len") for m in listed if isinstance(m, dict) and m.get("id") == self.model), None)
-        needed = len(self.rubric) // 3 + self.max_tokens + 256  # a rough token count, the grade, a short reply
-        if isinstance(context, int) and needed > context:
-            raise JudgeUnavailable(f"judge {self.__name__}: the rubric (about {len(self.rubric) // 3:,} tokens) and "
-                                   f"max_tokens={self.max_tokens} leave no room for the reply in {self.model}'s "
-                                   f"context of {context:,} tokens: shorten the rubric")
-
-    def _unavailable(self, what: str) -> JudgeUnavailable:
-        return JudgeUnavailable(f"judge {self.__name__}: {self.endpoint} {what}: check the address, "
-                                f"model={self.model!r} and the key in ${self.api_key_env}")
+        """Before training: an endpoint answers, takes the key, and has room for the rubric (JudgeUnavailable)."""
+        if self.client:
+            self.client.preflight(len(self.rubric), self.max_tokens)
 
     def _count(self, **amounts: int) -> None:
         with _lock:
@@ -318,35 +233,6 @@ class Judge:
                   "scores": [str(s) if isinstance(s, Exception) else s for s in scores]}
         with _lock, open(_context["log"], "a") as f:
             f.write(json.dumps(record) + "\n")
-
-
-class JudgeError(RuntimeError):
-    """A judge that could not be reached for one completion after its retries: that completion's error."""
-
-
-def retry_after(value: str | None, now: datetime | None = None) -> float:
-    """Seconds to wait as a Retry-After header says (RFC 9110: a number of seconds, or an HTTP date);
-    0 for anything else.
-
-    >>> retry_after("3")
-    3.0
-    >>> retry_after("Wed, 21 Oct 2026 07:28:30 GMT", now=datetime(2026, 10, 21, 7, 28, tzinfo=timezone.utc))
-    30.0
-    >>> retry_after("soon"), retry_after(None)
-    (0.0, 0.0)
-    """
-    if not value:
-        return 0.0
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return 0.0
-    when = when if when.tzinfo else when.replace(tzinfo=timezone.utc)
-    return max(0.0, (when - (now or datetime.now(timezone.utc))).total_seconds())
 
 
 class RewardModel:

@@ -10,6 +10,7 @@ import pytest
 
 from minigrpo import judge as J
 from minigrpo.judge import Judge
+from minigrpo.judge_client import ChatEndpoint
 from minigrpo.scoring import score
 
 
@@ -132,7 +133,7 @@ def grader(monkeypatch):
     server = ThreadingHTTPServer(("127.0.0.1", 0), Grader)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     monkeypatch.setenv("GRADER_KEY", "sesame")
-    monkeypatch.setattr(Judge, "backoff", 0.0)  # no waiting between retries
+    monkeypatch.setattr(ChatEndpoint, "backoff", 0.0)  # no waiting between retries
     yield f"http://127.0.0.1:{server.server_address[1]}/v1"
     server.shutdown()
 
