@@ -113,7 +113,9 @@ def _name_hard_exits() -> None:
 
     def named_exit(status: int) -> None:
         caller = sys._getframe(1)
-        progress(exit_from=f"{caller.f_code.co_filename}:{caller.f_lineno}")
+        path = caller.f_code.co_filename
+        inside = os.path.abspath(path).startswith(os.getcwd() + os.sep)
+        progress(exit_from=f"{os.path.relpath(path) if inside else path}:{caller.f_lineno}")
         real_exit(status)
 
     os._exit = named_exit

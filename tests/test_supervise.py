@@ -41,7 +41,7 @@ def test_a_reward_calling_os_exit_ends_the_run_named_and_non_zero(tmp_path):
     assert run.returncode == 1, out
     line = out.strip().splitlines()[-1]
     assert line.startswith("minigrpo: the run ended during step 1 (rollout) with exit status 0 without finishing"), out
-    assert f"os._exit(0) called at {tmp_path / 'my_rewards.py'}:6" in line
+    assert "os._exit(0) called at my_rewards.py:6" in line
     assert line.endswith("Continue from step 0 (no checkpoint was saved yet) with: minigrpo train --resume run")
 
 
