@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from minigrpo.generation import Generator, Sampling
-from minigrpo.tools import message, parse_calls, run_call, turn_text
+from minigrpo.tools import call_fields, kept_message, message, parse_calls, run_call, turn_text
 
 
 @dataclass
@@ -96,6 +96,8 @@ def _tool_turn(e: Episode, tokenizer, limits: Limits) -> None:
     """The model's turn read: its calls run and their results appended; or, for a turn without calls, the
     environment's `respond` (where it has one) answers as the user; or the episode ended."""
     calls = parse_calls(e.messages[-1]["content"])
+    if call_fields(calls):  # the turn as TRL's episodes keep it: its text, and its calls
+        e.messages[-1]["tool_calls"] = call_fields(calls)
     said = _respond(e) if not calls else None
     if not calls and said is None:  # an answer: the episode is over
         e.done = True
@@ -110,11 +112,11 @@ def _tool_turn(e: Episode, tokenizer, limits: Limits) -> None:
         for r in results:
             if r.error:
                 e.tool_errors[r.error] = e.tool_errors.get(r.error, 0) + 1
-        replies = [message(r) for r in results]
+        replies, kept = [message(r) for r in results], [kept_message(r) for r in results]
     else:
-        replies = [{"role": "user", "content": said}]
+        replies = kept = [{"role": "user", "content": said}]
     ids = tokenizer(turn_text(tokenizer, replies, e.tools), add_special_tokens=False).input_ids
-    e.messages += replies
+    e.messages += kept
     if len(e.ids) + len(ids) >= limits.max_episode_tokens:  # no room left for the model to read them and answer
         e.done, e.cut = True, "tokens"
         return

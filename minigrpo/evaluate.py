@@ -34,7 +34,8 @@ def held_out_rows(cfg: TrainConfig, task: Task) -> list[dict]:
 def settle_evaluation(cfg: TrainConfig, task: Task, train_rows: list[dict]) -> str | None:
     """Before the model loads: a task with no held-out rows (a small data file) trains anyway, its default
     before/after evaluation skipped with a note (returned); an evaluation asked for (--eval-every) stops.
-    --eval-data must be a file, and a note says when its prompts are among the training ones."""
+    --eval-data must be a file, and a note says when its prompts are among the training ones (the task's own
+    split is the task's to keep apart)."""
     if cfg.eval_data and not Path(cfg.eval_data).is_file():
         raise ValueError(f"--eval-data {cfg.eval_data}: no such file; give a data file of held-out rows")
     if not (cfg.eval_every or cfg.eval_before_after):
@@ -45,6 +46,8 @@ def settle_evaluation(cfg: TrainConfig, task: Task, train_rows: list[dict]) -> s
     if not rows:
         cfg.eval_before_after = False
         return f"task {task.name} has no held-out rows, so the before/after evaluation is skipped; for it, {HOW_TO_HOLD_OUT}"
+    if not cfg.eval_data:
+        return None
     trained = {json.dumps(r["prompt"], sort_keys=True) for r in train_rows}
     seen = sum(json.dumps(r["prompt"], sort_keys=True) in trained for r in rows)
     return f"{seen} of the {len(rows)} held-out prompts are also training prompts" if seen else None

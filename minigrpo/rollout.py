@@ -13,7 +13,7 @@ import torch
 from minigrpo import loss as L
 from minigrpo.config import TrainConfig
 from minigrpo.generation import Generator, Sampling
-from minigrpo.scoring import Scores, score
+from minigrpo.scoring import Scores, score, trainer_state
 from minigrpo.tasks import Task
 
 
@@ -104,8 +104,10 @@ class Groups:
     def select(self, groups: list[int], G: int) -> "Groups":
         rows = [i * G + j for i in groups for j in range(G)]
         pick = lambda xs: [xs[i] for i in rows] if xs is not None else None  # noqa: E731
+        logged = {k: pick(v) for k, v in self.scores.extra.items() if len(v) == len(self.completions)}
         scores = Scores([self.scores.totals[i] for i in rows], {k: pick(v) for k, v in self.scores.values.items()},
-                        {k: pick(v) for k, v in self.scores.parts.items()}, dict(self.scores.errors))
+                        {k: pick(v) for k, v in self.scores.parts.items()}, dict(self.scores.errors), logged,
+                        self.scores.metrics)
         return Groups([self.rows[i] for i in groups], [self.prompt_ids[i] for i in groups], pick(self.completion_ids),
                       pick(self.completions), pick(self.truncated), pick(self.sampler_logps), scores,
                       self.generate_s, self.reward_s, pick(self.model_masks), self.episode_stats)
@@ -116,8 +118,11 @@ class Groups:
                                for k in a.keys() | b.keys()}  # noqa: E731
         errors = {k: self.scores.errors.get(k, 0) + other.scores.errors.get(k, 0)
                   for k in self.scores.errors.keys() | other.scores.errors.keys()}
+        metrics = {k: self.scores.metrics.get(k, []) + other.scores.metrics.get(k, [])
+                   for k in self.scores.metrics.keys() | other.scores.metrics.keys()}
         scores = Scores(self.scores.totals + other.scores.totals, merged(self.scores.values, other.scores.values),
-                        merged(self.scores.parts, other.scores.parts), errors)
+                        merged(self.scores.parts, other.scores.parts), errors,
+                        merged(self.scores.extra, other.scores.extra), metrics)
         return Groups(self.rows + other.rows, self.prompt_ids + other.prompt_ids,
                       self.completion_ids + other.completion_ids, self.completions + other.completions,
                       self.truncated + other.truncated, both(self.sampler_logps, other.sampler_logps), scores,
@@ -128,24 +133,26 @@ class Groups:
 
 
 def rollout(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, weights: list[float],
-            rows: list[dict]) -> Groups:
-    """G completions for each row's prompt, decoded and scored."""
+            rows: list[dict], state=None) -> Groups:
+    """G completions for each row's prompt, decoded and scored (`state`: the rewards' trainer_state)."""
     G = cfg.num_generations
     t0 = time.perf_counter()
     out = complete(cfg, tokenizer, generator, task, rows, Sampling(G, cfg.max_new_tokens, cfg.temperature, cfg.top_p))
     t1 = time.perf_counter()
     scores = score(task.rewards, weights, [c["prompt"] for c in out.columns], out.completions, out.completion_ids,
-                   out.columns, strict=cfg.strict_rewards, timeout=cfg.reward_timeout)
+                   out.columns, strict=cfg.strict_rewards, timeout=cfg.reward_timeout, state=state)
     return Groups(rows, out.prompt_ids, out.completion_ids, out.completions, out.truncated, out.sampler_logps,
                   scores, t1 - t0, time.perf_counter() - t1, out.model_masks, out.stats)
 
 
 def collect(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, weights: list[float],
-            prompts: "PromptPool") -> tuple[Groups, dict]:
+            prompts: "PromptPool", step: int = 1) -> tuple[Groups, dict]:
     """The step's groups. With filter_groups, groups whose rewards are all equal (no gradient) are
     dropped and more prompts are drawn, for at most max_filter_rounds extra rounds (DAPO's dynamic sampling)."""
     G = cfg.num_generations
-    batch = rollout(cfg, tokenizer, generator, task, weights, prompts.draw(cfg.prompts_per_step))
+    done = step - 1  # optimizer steps taken, as TRL's state counts them while the step's rewards run
+    state = trainer_state(done, cfg.steps, done * cfg.prompts_per_step / len(prompts.rows))
+    batch = rollout(cfg, tokenizer, generator, task, weights, prompts.draw(cfg.prompts_per_step), state)
     prompts.record(batch.rows, batch.scores.totals, G, cfg.solved_reward)
     spread = L.groups_with_spread(torch.tensor(batch.scores.totals), G).tolist()
     info = {"frac_groups_reward_differs": float(np.mean(spread)), "filter/extra_rounds": 0,
@@ -156,7 +163,7 @@ def collect(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, weigh
     kept = batch.select([i for i, s in enumerate(spread) if s], G)
     while len(kept.rows) < cfg.prompts_per_step and info["filter/extra_rounds"] < cfg.max_filter_rounds:
         info["filter/extra_rounds"] += 1
-        more = rollout(cfg, tokenizer, generator, task, weights, prompts.draw(cfg.prompts_per_step))
+        more = rollout(cfg, tokenizer, generator, task, weights, prompts.draw(cfg.prompts_per_step), state)
         prompts.record(more.rows, more.scores.totals, G, cfg.solved_reward)
         info["tokens_generated"] += generated_tokens(more)
         info["generate_s"] += more.generate_s

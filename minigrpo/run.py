@@ -46,7 +46,7 @@ class RunFolder:
         with open(self.path / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
         with open(self.path / "samples.jsonl", "a") as f:
-            f.writelines(json.dumps(s) + "\n" for s in samples)
+            f.writelines(json.dumps(s, default=str) + "\n" for s in samples)  # a tool's own objects as text
         numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
         for report in self.reporters:
             report(numbers, metrics["step"])

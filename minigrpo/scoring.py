@@ -38,7 +38,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
-RESERVED = {"prompts", "completions", "completion_ids"}
+RESERVED = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"}  # not data
 _deadline: contextvars.ContextVar = contextvars.ContextVar("minigrpo_deadline", default=None)  # see time_left
 SLOW_NOTICE_S = 10.0  # a reward call running this long is announced, so a slow reward is not a silent hang
 
@@ -54,7 +54,9 @@ def per_sample(fn: Callable) -> Callable:
     def batch(prompts, completions, completion_ids=None, **columns):
         out = []
         for i, completion in enumerate(completions):
-            example = {key: values[i] for key, values in columns.items()}
+            # a data column has one value per completion; what else arrives (trainer_state, log_metric) is whole
+            example = {key: values[i] if isinstance(values, list) and len(values) == len(completions) else values
+                       for key, values in columns.items()}
             out.append(fn(text_of(completion), prompt=prompts[i], **example))
         return out
 
@@ -86,6 +88,8 @@ class Scores:
     values: dict[str, list[float | None]]  # function -> [B], None where it does not apply
     parts: dict[str, list[float]] = field(default_factory=dict)  # "fn/part" -> [B] for dict-valued rewards
     errors: dict[str, int] = field(default_factory=dict)  # function -> samples that raised and scored 0
+    extra: dict[str, list] = field(default_factory=dict)  # column -> [B]: what rewards passed to log_extra
+    metrics: dict[str, list[float]] = field(default_factory=dict)  # name -> values passed to log_metric
 
 
 class RewardCrash(Exception):
@@ -107,9 +111,7 @@ def call_reward(fn: Callable, kwargs: dict, n: int, timeout: float | None = None
     try:
         with time_limit(timeout * max(n, 1) if timeout else None, f"reward function {name}",
                         "--reward-timeout sets it per completion"), real_interrupts() as interrupted:
-            values = fn(**copy.deepcopy(kwargs))
-            if inspect.isawaitable(values):
-                values = asyncio.run(_await(values))
+            values = awaited(fn(**copy.deepcopy(kwargs)))
     except OutOfTime as error:
         raise RewardCrash(str(error)) from None
     except SystemExit as error:
@@ -212,19 +214,48 @@ def real_interrupts():
         signal.signal(signal.SIGINT, previous)
 
 
-async def _await(awaitable):
-    return await awaitable
+def awaited(value):
+    """An async reward's or tool's result, awaited here (on a fresh event loop; in a thread of its own where
+    this one already runs a loop, as a notebook's does); anything else as it is."""
+    if not inspect.isawaitable(value):
+        return value
+
+    async def wait_for():
+        return await value
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(wait_for())
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = asyncio.run(wait_for())
+        except BaseException as error:  # raised again in the caller's thread
+            out["error"] = error
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
 
 
 def score(reward_fns: list[Callable], weights: list[float], prompts: list, completions: list,
           completion_ids: list[list[int]], rows: list[dict], strict: bool = False,
-          timeout: float | None = None) -> Scores:
+          timeout: float | None = None, state=None) -> Scores:
     """Every reward function on one batch. A function that raises (or exits, or runs past `timeout`
     seconds per completion) scores 0 on the samples it fails on, with a warning and a counter, unless
     `strict`; a broken contract is always a RewardError."""
     columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
     n = len(completions)
     result = Scores(totals=[0.0] * n, values={})
+    # what TRL passes every reward beside the data: the trainer's state and two ways to log
+    extras = {"trainer_state": state if state is not None else trainer_state(),
+              "log_extra": lambda column, values: result.extra.setdefault(column, []).extend(values),
+              "log_metric": lambda name, value: result.metrics.setdefault(name, []).append(float(value))}
     for fn, weight in zip(reward_fns, weights):
         name = reward_name(fn)
         missing = [c for c in required_columns(fn) if c not in columns]
@@ -234,12 +265,15 @@ def score(reward_fns: list[Callable], weights: list[float], prompts: list, compl
         if missing:
             raise RewardError(f"reward function {name} needs the column(s) {missing}, which the data does not "
                               f"have; it has: {sorted(columns) or 'only prompt'}")
-        kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns, **extras)
+        logged = {column: len(values) for column, values in result.extra.items()}
         try:
             values = call_reward(fn, kwargs, n, timeout)
         except RewardCrash as error:
             if strict:
                 raise RewardError(f"reward function {name} {error}") from None
+            for column in result.extra:  # logged by the failed call: the calls one by one log it again
+                del result.extra[column][logged.get(column, 0):]
             values = _one_by_one(fn, kwargs, n, error, result, timeout)
         values = _unscored(name, values, result, strict)
         result.values[name] = []
@@ -251,6 +285,14 @@ def score(reward_fns: list[Callable], weights: list[float], prompts: list, compl
             result.values[name].append(value)
             result.totals[i] += weight * (value or 0.0)
     return result
+
+
+def trainer_state(step: int = 0, max_steps: int = 0, epoch: float = 0.0):
+    """What TRL passes rewards as `trainer_state`: transformers' TrainerState, at the optimizer steps done
+    so far (a reward that shapes itself by progress reads `global_step` and `max_steps`)."""
+    from transformers import TrainerState
+
+    return TrainerState(global_step=step, max_steps=max_steps, epoch=epoch)
 
 
 def _unscored(name: str, values: list, result: Scores, strict: bool) -> list:

@@ -34,7 +34,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from minigrpo.scoring import OutOfTime, real_interrupts, time_limit
+from minigrpo.scoring import OutOfTime, awaited, real_interrupts, time_limit
 
 CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.S)
 ERRORS = ("malformed", "unknown", "arguments", "raised", "timeout")  # the kinds of failed call, as counted
@@ -53,6 +53,7 @@ class ToolResult:
     content: str  # what the model reads
     error: str | None = None  # one of ERRORS, or None
     truncated: bool = False
+    value: object = None  # what the tool returned, where the rewards get it as it is (a list, as TRL keeps it)
 
 
 def schema(fn: Callable) -> dict:
@@ -130,7 +131,7 @@ def run_call(tools: dict[str, Callable], call: ToolCall, timeout: float = 10.0,
         return ToolResult(call.name, f"error: wrong arguments for {call.name}: {error}", "arguments")
     try:
         with time_limit(timeout, f"tool {call.name}"), real_interrupts() as interrupted:
-            value = fn(**call.arguments)
+            value = awaited(fn(**call.arguments))  # an async tool is awaited, as TRL awaits it
     except OutOfTime:
         return ToolResult(call.name, f"error: {call.name} ran past its time limit ({timeout:g} s)", "timeout")
     except KeyboardInterrupt:
@@ -140,10 +141,11 @@ def run_call(tools: dict[str, Callable], call: ToolCall, timeout: float = 10.0,
     except (Exception, SystemExit) as error:
         return ToolResult(call.name, f"error: {call.name} raised {type(error).__name__}: {error}", "raised")
     text = value if isinstance(value, str) else _as_text(value)
+    kept = value if isinstance(value, list) else None
     if len(text) > max_chars:
         cut = len(text) - max_chars
-        return ToolResult(call.name, f"{text[:max_chars]}\n[... {cut} more characters cut]", truncated=True)
-    return ToolResult(call.name, text)
+        return ToolResult(call.name, f"{text[:max_chars]}\n[... {cut} more characters cut]", truncated=True, value=kept)
+    return ToolResult(call.name, text, value=kept)
 
 
 def _as_text(value) -> str:
@@ -156,6 +158,21 @@ def _as_text(value) -> str:
 def message(result: ToolResult) -> dict:
     """The chat message that carries a result back to the model."""
     return {"role": "tool", "name": result.name, "content": result.content}
+
+
+def kept_message(result: ToolResult) -> dict:
+    """The same message as the episode keeps it for the rewards: a list the tool returned stays a list, as
+    in TRL's episodes (the model read it as JSON)."""
+    return {**message(result), "content": result.value} if isinstance(result.value, list) else message(result)
+
+
+def call_fields(calls: list[ToolCall]) -> list[dict]:
+    """A turn's readable calls as TRL's assistant messages carry them (`tool_calls`).
+
+    >>> call_fields([ToolCall("add", {"a": 2, "b": 3}), ToolCall("", {}, "malformed tool call: not JSON")])
+    [{'type': 'function', 'function': {'name': 'add', 'arguments': {'a': 2, 'b': 3}}}]
+    """
+    return [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls if not c.error]
 
 
 def template_has_tools(tokenizer) -> bool:

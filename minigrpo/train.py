@@ -232,7 +232,7 @@ def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generat
 
     # 1. rollout: G completions per prompt, scored (with --filter-groups, only groups with spread)
     progress(step=step, stage="rollout")
-    batch, info = collect(cfg, tokenizer, generator, task, weights, prompts)
+    batch, info = collect(cfg, tokenizer, generator, task, weights, prompts, step)
     clock["rollout"], clock["generate_s"], clock["reward_s"] = time.perf_counter(), info.pop("generate_s"), \
         info.pop("reward_s")
     if not batch.rows:  # every group had equal rewards, even after refilling: nothing to learn from
@@ -271,6 +271,7 @@ def step_metrics(step: int, batch, info: dict, rewards, mb: MicroBatches, update
         **{f"reward/{name}/mean": mean_of_present(values) for name, values in batch.scores.values.items()},
         **{f"reward/{name}/mean": float(np.mean(values)) for name, values in batch.scores.parts.items()},
         **{f"reward/{name}/errors": count for name, count in batch.scores.errors.items()},
+        **{name: float(np.mean(values)) for name, values in batch.scores.metrics.items()},  # rewards' log_metric
         **info,
         **update.totals,
         "completion_len/mean": mb.lengths.float().mean().item(),
@@ -309,6 +310,9 @@ def samples_of(step: int, batch, rewards, advantages, G: int) -> list[dict]:
                 "reward": rewards[i].item(), "reward_parts": {k: v[i] for k, v in parts.items()},
                 "advantage": advantages[i].item(), "truncated": batch.truncated[i]}
                for i in range(len(batch.completions))]
+    for column, values in batch.scores.extra.items():  # the rewards' log_extra columns
+        for s, value in zip(samples, values):
+            s.setdefault("extra", {})[column] = value
     if batch.model_masks is not None:  # episodes: the conversation after the prompt, with its counts
         for s in samples:
             s["turns"] = sum(m["role"] == "assistant" for m in s["completion"])
