@@ -16,12 +16,13 @@ import warnings
 from rich.console import Console
 from rich.table import Table
 
-from minigrpo.scoring import RewardError, reward_name, score
+from minigrpo.scoring import RewardError, reward_name, score, text_of
 from minigrpo.tasks import Task
 
 
 def check_task(t: Task, rows: list[dict], console: Console, model: str | None = None, samples: int | None = None,
-               max_new_tokens: int | None = None, seed: int = 0, max_turns: int | None = None) -> None:
+               max_new_tokens: int | None = None, seed: int = 0, max_turns: int | None = None,
+               max_prompt_tokens: int | None = None, tokenizer_of: str | None = None) -> None:
     """`minigrpo check-reward`: the worked examples, stand-in completions, and with a model, G completions
     (or episodes) sampled for each row, with the share of groups GRPO could learn from."""
     from rich.markup import escape
@@ -36,19 +37,20 @@ def check_task(t: Task, rows: list[dict], console: Console, model: str | None = 
         console.print("[yellow]note[/]: judge rewards are checked on sampled completions only (they need the "
                       "model, and grade worked examples differently from run to run)", highlight=False)
     if t.rewards:
-        _check_without_model(t, rows, console)
+        _check_without_model(t, rows, console, stand_in_tokenizer(tokenizer_of or model))
     if model is None:
         return
     t = judged
     preset = TrainConfig(model=model)
     samples = samples or preset.num_generations
-    completions, columns = sample_completions(t, rows, model=model, n=samples, temperature=1.0, seed=seed,
-                                              max_new_tokens=max_new_tokens or preset.max_new_tokens,
-                                              max_turns=max_turns)
+    completions, columns, ids = sample_completions(t, rows, model=model, n=samples, temperature=1.0, seed=seed,
+                                                   max_new_tokens=max_new_tokens or preset.max_new_tokens,
+                                                   max_turns=max_turns, max_prompt_tokens=max_prompt_tokens,
+                                                   with_ids=True)
     kind = "episodes" if t.tools or t.environment else "completions"
-    print_report(check_rewards(t, columns, completions), f"{t.name}: {len(completions)} {kind} sampled from {model}",
-                 console)
-    share, warning = learnable_share(t, columns, completions, samples)
+    print_report(check_rewards(t, columns, completions, completion_ids=ids),
+                 f"{t.name}: {len(completions)} {kind} sampled from {model}", console)
+    share, warning = learnable_share(t, columns, completions, samples, ids)
     console.print(f"groups with reward spread (the only ones GRPO learns from): {share:.0%} of {len(rows)} prompts "
                   f"x G={samples}", highlight=False)
     if warning:
@@ -58,7 +60,7 @@ def check_task(t: Task, rows: list[dict], console: Console, model: str | None = 
                   highlight=False)
 
 
-def _check_without_model(t: Task, rows: list[dict], console: Console) -> None:
+def _check_without_model(t: Task, rows: list[dict], console: Console, tokenizer=None) -> None:
     for problem in check_examples(t):
         console.print(f"[red]worked example[/]: {problem}", highlight=False)
     if t.examples:
@@ -69,18 +71,19 @@ def _check_without_model(t: Task, rows: list[dict], console: Console) -> None:
         console.print(f"[yellow]note[/]: task {t.name} has no worked examples, so no score is checked against an "
                       f"expected one; add some (Task(examples=[...])) to check the rewards' values", highlight=False)
     # what the run's precheck does: junk completions must not break the contract
-    junk = stand_ins(rows)
-    print_report(check_rewards(t, [{k: v for k, v in r.items() if k != "completion"} for r in junk],
-                               [r["completion"] for r in junk], judge_spread=False),
+    _, completions, ids, rows = as_batch(stand_ins(t, rows, tokenizer))
+    print_report(check_rewards(t, rows, completions, judge_spread=False, completion_ids=ids),
                  f"{t.name}: stand-in completions (empty, and the prompt itself)", console)
 
 
-def check_rewards(task: Task, rows: list[dict], completions: list, judge_spread: bool = True) -> list[dict]:
+def check_rewards(task: Task, rows: list[dict], completions: list, judge_spread: bool = True,
+                  completion_ids: list[list[int]] | None = None) -> list[dict]:
     """One report per reward function over (row, completion) pairs: figures and warnings (about spread
-    only when `judge_spread`: hand-picked worked examples say nothing about it)."""
+    only when `judge_spread`: hand-picked worked examples say nothing about it). Prompts go as the data has
+    them (chat messages stay messages), as in training."""
     reports = []
-    prompts = [str(row["prompt"]) for row in rows]
-    ids = [[] for _ in completions]
+    prompts = [row["prompt"] for row in rows]
+    ids = completion_ids or [[] for _ in completions]
     for fn in task.rewards:
         name = reward_name(fn)
         report = {"function": name, "mean": math.nan, "std": math.nan, "zeros": math.nan, "errors": 0,
@@ -118,6 +121,21 @@ def preflight(rewards: list) -> None:
             fn.preflight()
 
 
+def stand_in_tokenizer(model: str | None):
+    """The model's tokenizer, for stand-in completions' ids (token-based rewards read them); None where it
+    cannot be had without a download."""
+    if model is None:
+        return None
+    try:
+        from minigrpo.config import TrainConfig
+        from minigrpo.model import load_tokenizer
+        from minigrpo.weights import resolve_weights
+
+        return load_tokenizer(resolve_weights(TrainConfig(model=model).hub_id))
+    except Exception:  # offline and not cached: the stand-ins go without ids, as before
+        return None
+
+
 def without_judges(task: Task) -> Task:
     """The task with only the rewards that can run before a model loads: a judge (`precheck = False`)
     needs the model, and grades worked examples differently from run to run."""
@@ -126,15 +144,16 @@ def without_judges(task: Task) -> Task:
     return dataclasses.replace(task, rewards=[fn for fn, _ in kept], weights=[w for _, w in kept])
 
 
-def learnable_share(task: Task, rows: list[dict], completions: list, group_size: int) -> tuple[float, str | None]:
+def learnable_share(task: Task, rows: list[dict], completions: list, group_size: int,
+                    completion_ids: list[list[int]] | None = None) -> tuple[float, str | None]:
     """The share of prompt groups (group_size completions each, in order) whose total rewards differ: in
     GRPO only those carry a gradient. Returns it, and a warning when it is low."""
     import torch
 
     from minigrpo.loss import groups_with_spread
 
-    totals = score(task.rewards, task.weights or [1.0] * len(task.rewards), [str(r["prompt"]) for r in rows],
-                   completions, [[] for _ in completions], rows).totals
+    totals = score(task.rewards, task.weights or [1.0] * len(task.rewards), [r["prompt"] for r in rows],
+                   completions, completion_ids or [[] for _ in completions], rows).totals
     share = groups_with_spread(torch.tensor(totals), group_size).float().mean().item()
     if share >= 0.25:
         return share, None
@@ -150,7 +169,7 @@ def check_examples(task: Task) -> list[str]:
     problems = []
     for i, example in enumerate(task.examples):
         row = {k: v for k, v in example.items() if k not in ("completion", "expected")}
-        result = score(task.rewards, task.weights, [str(row["prompt"])], [example["completion"]], [[]], [row],
+        result = score(task.rewards, task.weights, [row["prompt"]], [example["completion"]], [[]], [row],
                        strict=True)
         if "expected" in example and abs(result.totals[0] - example["expected"]) > 1e-6:
             problems.append(f"example {i}: expected {example['expected']}, the rewards give {result.totals[0]}")
@@ -171,11 +190,31 @@ def print_report(reports: list[dict], title: str, console: Console) -> None:
             console.print(f"[yellow]warning[/]: {r['function']}: {warning}", highlight=False)
 
 
-def stand_ins(rows: list[dict], chat: bool = False) -> list[dict]:
-    """Junk completions no reward should break on: empty, and the prompt itself, for the first two rows; as
-    chat messages where training gives rewards those (chat-format prompts, and episodes)."""
+def stand_ins(task: Task, rows: list[dict], tokenizer=None) -> list[dict]:
+    """Junk completions no reward should break on: empty, and the prompt itself, for the first two rows, shaped
+    as training gives them: chat messages for chat-format prompts and episodes, each episode's environment
+    made and reset as a run makes it, and `completion_ids` from the model's tokenizer where there is one."""
+    chat = bool(task.tools or task.environment) or bool(rows) and isinstance(rows[0]["prompt"], list)
     shape = (lambda text: [{"role": "assistant", "content": text}]) if chat else (lambda text: text)  # noqa: E731
-    return [dict(row, completion=shape(text)) for row in rows[:2] for text in ("", str(row["prompt"]))]
+    junk = []
+    for row in rows[:2]:
+        for text in ("", str(text_of(row["prompt"]))):
+            ids = tokenizer(text, add_special_tokens=False).input_ids if tokenizer is not None else []
+            junk.append(dict(row, completion=shape(text), completion_ids=ids))
+    if task.environment:  # rewards may read the episode's environment, as in training: a fresh one, reset
+        from minigrpo.episodes import start_environments
+
+        for r in junk:
+            row = {k: v for k, v in r.items() if k not in ("completion", "completion_ids")}
+            r["environments"] = start_environments(task.environment, [row], 1, task.environment_prompts)[0][0]
+    return junk
+
+
+def as_batch(examples: list[dict]) -> tuple[list, list, list, list]:
+    """(prompts, completions, completion_ids, rows) of rows that carry their completion."""
+    rows = [{k: v for k, v in r.items() if k not in ("completion", "expected", "completion_ids")} for r in examples]
+    return ([r["prompt"] for r in examples], [r["completion"] for r in examples],
+            [r.get("completion_ids", []) for r in examples], rows)
 
 
 def precheck_rewards(task: Task, weights: list[float], rows: list[dict], timeout: float | None = None) -> list[str]:
@@ -184,28 +223,15 @@ def precheck_rewards(task: Task, weights: list[float], rows: list[dict], timeout
     (empty, and the prompt itself), where only a broken contract stops the run (the wrong number of values,
     NaN, a column the data lacks); raising there is what rewards do on junk, and only warned about.
     Returns the warnings."""
-    def batch_of(examples):
-        rows_only = [{k: v for k, v in r.items() if k not in ("completion", "expected")} for r in examples]
-        return ([r["prompt"] for r in examples], [r["completion"] for r in examples], [[] for _ in examples],
-                rows_only)
-
     preflight(task.rewards)
     task = without_judges(dataclasses.replace(task, weights=weights))
     if not task.rewards:
         return []
     weights = task.weights
     if task.examples:
-        score(task.rewards, weights, *batch_of(task.examples), strict=True, timeout=timeout)
+        score(task.rewards, weights, *as_batch(task.examples), strict=True, timeout=timeout)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        chat = bool(task.tools or task.environment) or bool(rows) and isinstance(rows[0]["prompt"], list)
-        junk = stand_ins(rows, chat)
-        if task.environment:  # rewards may read the episode's environment, as in training: a fresh one, reset
-            from minigrpo.episodes import start_environments
-
-            for r in junk:
-                r["environments"] = start_environments(task.environment, [{k: v for k, v in r.items()
-                                                                           if k != "completion"}], 1)[0][0]
-        score(task.rewards, weights, *batch_of(junk), timeout=timeout)
+        score(task.rewards, weights, *as_batch(stand_ins(task, rows)), timeout=timeout)
     return [f"on stand-in completions (empty, or the prompt itself): {w.message}" for w in caught
             if "reward function" in str(w.message)]

@@ -30,7 +30,10 @@ TIMEOUT_HELP = "Seconds a reward function may take per completion before it scor
 def train(
     ctx: typer.Context,
     model: str = typer.Option("smollm2-135m", help="Preset name (`minigrpo models`), hub id, or local folder."),
-    task: str = typer.Option("addition", help="Built-in task, task .py file, data file, or hub dataset."),
+    task: str = typer.Option(None, help="Built-in task, task .py file, data file, or hub dataset [default: "
+                                        "addition; with --environment, the prompts its reset() writes]."),
+    environment: str = typer.Option(None, help="An environment class file.py:Class (TRL's environment_factory): "
+                                               "one per episode, its methods as tools [default: the task's own]."),
     reward: list[str] = typer.Option([], help="Extra reward function file.py:function (repeat) [default: none]."),
     reward_weight: list[float] = typer.Option([], help="One weight per reward function, the task's first (repeat) [default: 1.0 each, or the task's]."),
     strict_rewards: bool = typer.Option(False, help="Stop when a reward function raises (default: score 0)."),
@@ -151,6 +154,7 @@ def config_from_flags(params: dict) -> TrainConfig:
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     chosen = {name: value for name, value in params.items() if name in fields}
+    chosen["task"] = params["task"] or ("environment" if params.get("environment") else "addition")
     chosen.update(rewards=list(params["reward"]), reward_weights=list(params["reward_weight"]) or None,
                   tools=list(params["tool"]), steps=30 if params["steps"] is None else params["steps"],
                   report_to=list(params["report_to"]))
@@ -289,11 +293,14 @@ def tasks() -> None:
 @app.command("check-reward")
 @clear_errors
 def check_reward(
-    task: str = typer.Option(..., help="Built-in task, task .py file, data file, or hub dataset."),
+    task: str = typer.Option(None, help="Built-in task, task .py file, data file, or hub dataset [with "
+                                        "--environment only: the prompts its reset() writes]."),
+    environment: str = typer.Option(None, help="An environment class file.py:Class, as train takes it."),
     reward: list[str] = typer.Option([], help="Extra reward function file.py:function (repeat) [default: none]."),
     tool: list[str] = typer.Option([], help="A tool the model may call, file.py:function (repeat): each "
                                             "completion becomes an episode [default: the task's own]."),
     model: str = typer.Option("smollm2-135m", help="The model to sample completions from."),
+    max_prompt_tokens: int = typer.Option(512, help="Prompt length limit, as train has it."),
     prompts: int = typer.Option(4, help="Prompts to sample completions for."),
     samples: int = typer.Option(None, help="Completions per prompt [default: the model preset's G]."),
     max_new_tokens: int = typer.Option(None, help="Completion length limit [default: from the model preset]."),
@@ -307,10 +314,12 @@ def check_reward(
     from minigrpo.tasks import check_sandbox, get_task
 
     console = Console()
-    t = get_task(task, reward, extra_tools=tool)
+    if task is None and environment is None:
+        raise typer.BadParameter("give --task (or --environment, whose reset() writes the prompts)")
+    t = get_task(task or "environment", reward, extra_tools=tool, environment=environment)
     check_sandbox(t, allow_unconfined_code, console.print)
     check_task(t, t.make_data("train", seed)[:prompts], console, None if no_model else model, samples,
-               max_new_tokens, seed, max_turns)
+               max_new_tokens, seed, max_turns, max_prompt_tokens, tokenizer_of=model)
 
 
 @app.command()

@@ -87,6 +87,9 @@ class TrainConfig:
     max_turns: int = 4  # model turns per episode
     max_episode_tokens: int | None = None  # every token after the prompt, tools' included; None: turns x new tokens
     tool_timeout: float = 10.0  # seconds a tool call may take
+    # "file.py:Class", TRL's environment_factory: one per episode, reset(**row), its methods as tools,
+    # get_reward() as a reward; with task "environment", its reset() writes every prompt (no data)
+    environment: str | None = None
 
     # objective (minigrpo/loss.py has the formulas)
     learning_rate: float | None = None  # None: from the preset

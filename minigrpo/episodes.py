@@ -17,6 +17,7 @@ mask that is True only where the model wrote them, so tool results are context a
 
 from __future__ import annotations
 
+import copy
 import inspect
 from dataclasses import dataclass, field
 from typing import Callable
@@ -155,20 +156,24 @@ def environment_tools(env) -> list[Callable]:
             if name not in ("reset", "get_reward", "respond") and not name.startswith("_")]
 
 
-def start_environments(factory: Callable, rows: list[dict], G: int) -> tuple[list, list[str | None]]:
+def start_environments(factory: Callable, rows: list[dict], G: int, own_prompts: bool = False
+                       ) -> tuple[list, list[str | None]]:
     """One environment per episode, each reset from its row (TRL's contract: `reset(**row)` returns None or
     text for the end of the prompt). The G episodes of a row share one prompt, so their resets must say the
-    same; whatever differs between them belongs in their state, which the tools reveal."""
+    same; whatever differs between them belongs in their state, which the tools reveal. Where the environment
+    writes the prompts (`own_prompts`: no data, a new puzzle per reset), one is reset per group and copied for
+    the rest, so a group shares its puzzle, as GRPO's advantages assume."""
     environments, said = [], []
     for row in rows:
-        group = [factory() for _ in range(G)]
-        texts = []
-        for env in group:
+        group = [factory() for _ in range(1 if own_prompts else G)]
+        texts = [_reset(env, row) for env in group]
+        if own_prompts and G > 1:
             try:
-                texts.append(env.reset(**row))
-            except Exception as error:  # the user's code: named, with the row it failed on
-                raise ValueError(f"the environment's reset raised {type(error).__name__}: {error} "
-                                 f"(row: {str(row)[:120]})") from None
+                group += [copy.deepcopy(group[0]) for _ in range(G - 1)]
+            except Exception as error:
+                raise ValueError(f"an environment that writes its own prompts is copied for the {G} episodes of a "
+                                 f"group, and copy.deepcopy failed on it ({type(error).__name__}: {error}); keep "
+                                 f"open files and connections out of its state, or give data rows") from None
         if len(set(texts)) > 1:
             raise ValueError(f"the environment's reset returned different text for one row ({texts[0]!r} and "
                              f"{next(t for t in texts if t != texts[0])!r}): the {G} episodes of a row share their "
@@ -176,6 +181,14 @@ def start_environments(factory: Callable, rows: list[dict], G: int) -> tuple[lis
         environments += group
         said.append(texts[0])
     return environments, said
+
+
+def _reset(env, row: dict):
+    try:
+        return env.reset(**row)
+    except Exception as error:  # the user's code: named, with the row it failed on
+        raise ValueError(f"the environment's reset raised {type(error).__name__}: {error} "
+                         f"(row: {str(row)[:120]})") from None
 
 
 def environment_reward(factory: Callable) -> Callable | None:

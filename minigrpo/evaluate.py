@@ -155,19 +155,22 @@ def sample_texts(prompts: list, adapter=None, model: str | None = None, n: int =
 
 def sample_completions(task: Task, rows: list[dict], adapter=None, model: str | None = None, n: int = 1,
                        max_new_tokens: int = 256, temperature: float = 0.7, seed: int = 0,
-                       max_turns: int | None = None) -> tuple[list, list[dict]]:
+                       max_turns: int | None = None, max_prompt_tokens: int | None = None,
+                       with_ids: bool = False) -> tuple:
     """n completions of each row (grouped) from a trained adapter, or the base model without one: replies,
     or episodes (lists of messages) where the task has tools or an environment, as training makes them.
-    Returns them with their columns: what the task's rewards get beside each (the row, its environment)."""
+    Returns them with their columns: what the task's rewards get beside each (the row, its environment);
+    `with_ids`, and their token ids."""
     from minigrpo import judge
     from minigrpo.episodes import settle_budget
     from minigrpo.model import load_trained, seed_everything
     from minigrpo.rollout import complete
 
     seed_everything(seed)
-    policy, tokenizer, cfg = load_trained(adapter, model, max_new_tokens=max_new_tokens, max_turns=max_turns)
+    policy, tokenizer, cfg = load_trained(adapter, model, max_new_tokens=max_new_tokens, max_turns=max_turns,
+                                          max_prompt_tokens=max_prompt_tokens)
     settle_budget(cfg, task)
     generator = HFGenerator(policy, tokenizer)
     judge.attach(judge.base_generate(generator, tokenizer))  # for judge rewards scored on what it samples
     out = complete(cfg, tokenizer, generator, task, rows, Sampling(n, max_new_tokens, temperature))
-    return out.completions, out.columns
+    return (out.completions, out.columns, out.completion_ids) if with_ids else (out.completions, out.columns)

@@ -50,7 +50,8 @@ def complete(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, rows
     from minigrpo import episodes as E
 
     n = sampling.n
-    envs, said = E.start_environments(task.environment, rows, n) if task.environment else (None, [None] * len(rows))
+    envs, said = E.start_environments(task.environment, rows, n, task.environment_prompts) if task.environment \
+        else (None, [None] * len(rows))
     tools = list(task.tools) + (E.environment_tools(envs[0]) if envs else [])
     prompts = [joined(row["prompt"], text) for row, text in zip(rows, said)]
     prompt_ids = [tokenizer(render_prompt(tokenizer, p, tools), add_special_tokens=False).input_ids for p in prompts]
@@ -58,7 +59,9 @@ def complete(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, rows
         if len(ids) > cfg.max_prompt_tokens:
             raise ValueError(f"a prompt of {len(ids)} tokens is longer than max_prompt_tokens="
                              f"{cfg.max_prompt_tokens}: {str(p)[:80]!r}...")
-    columns = [dict(rows[i // n], **({"environments": envs[i]} if envs else {})) for i in range(len(rows) * n)]
+    # the rewards get the prompt as the model read it (with the reset's text, as TRL passes it)
+    columns = [dict(rows[i // n], prompt=prompts[i // n], **({"environments": envs[i]} if envs else {}))
+               for i in range(len(rows) * n)]
     if not tools and not envs:
         out = generator.generate(prompt_ids, sampling)
         completions = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
@@ -100,6 +103,7 @@ class Groups:
     # episode, tool results and environment text sit in the completion as context and are never trained on
     model_masks: list[list[bool]] | None = None
     episode_stats: dict = field(default_factory=dict)  # totals over every episode sampled, kept or not
+    prompts: list | None = None  # [P] as the model read them (an environment's reset text joined); None: the rows'
 
     def select(self, groups: list[int], G: int) -> "Groups":
         rows = [i * G + j for i in groups for j in range(G)]
@@ -110,7 +114,8 @@ class Groups:
                         self.scores.metrics)
         return Groups([self.rows[i] for i in groups], [self.prompt_ids[i] for i in groups], pick(self.completion_ids),
                       pick(self.completions), pick(self.truncated), pick(self.sampler_logps), scores,
-                      self.generate_s, self.reward_s, pick(self.model_masks), self.episode_stats)
+                      self.generate_s, self.reward_s, pick(self.model_masks), self.episode_stats,
+                      [self.prompts[i] for i in groups] if self.prompts is not None else None)
 
     def __add__(self, other: "Groups") -> "Groups":
         both = lambda a, b: a + b if a is not None and b is not None else None  # noqa: E731
@@ -129,7 +134,8 @@ class Groups:
                       self.generate_s + other.generate_s, self.reward_s + other.reward_s,
                       both(self.model_masks, other.model_masks),
                       {k: self.episode_stats.get(k, 0) + other.episode_stats.get(k, 0)
-                       for k in self.episode_stats.keys() | other.episode_stats.keys()})
+                       for k in self.episode_stats.keys() | other.episode_stats.keys()},
+                      both(self.prompts, other.prompts))
 
 
 def rollout(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, weights: list[float],
@@ -142,7 +148,8 @@ def rollout(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, weigh
     scores = score(task.rewards, weights, [c["prompt"] for c in out.columns], out.completions, out.completion_ids,
                    out.columns, strict=cfg.strict_rewards, timeout=cfg.reward_timeout, state=state)
     return Groups(rows, out.prompt_ids, out.completion_ids, out.completions, out.truncated, out.sampler_logps,
-                  scores, t1 - t0, time.perf_counter() - t1, out.model_masks, out.stats)
+                  scores, t1 - t0, time.perf_counter() - t1, out.model_masks, out.stats,
+                  [out.columns[i * G]["prompt"] for i in range(len(rows))])
 
 
 def collect(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, weights: list[float],

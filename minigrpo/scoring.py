@@ -150,37 +150,51 @@ def _checked(name: str, i: int, value):
     return out if isinstance(value, dict) else out[None]
 
 
+# the time limits' own signal: a reward's signal.alarm (math_verify sets and clears one) cannot reset it
+LIMIT_SIGNAL = getattr(signal, "SIGRTMAX", signal.SIGALRM)
+_running: list[tuple[float, str]] = []  # (deadline, message) of each limit in force, innermost last
+
+
 @contextlib.contextmanager
 def time_limit(seconds: float | None, what: str, hint: str = ""):
-    """Interrupt the call after `seconds` (SIGALRM: main thread, POSIX), and say so when it takes long.
-    `what` names the user's code in the notice ("reward function f"); `hint` says how to change the limit."""
-    use_alarm = seconds and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
-    token = _deadline.set(time.monotonic() + seconds) if seconds else None
-    if not use_alarm:
+    """Interrupt the call after `seconds` (main thread, POSIX: a timer thread signals it), and say so when it
+    takes long. `what` names the user's code in the notice ("reward function f"); `hint` says how to change
+    the limit. Elsewhere the call is not interrupted, but `time_left` still tells code that waits."""
+    deadline = time.monotonic() + seconds if seconds else None
+    token = _deadline.set(deadline)
+    use_signal = seconds and hasattr(signal, "pthread_kill") and threading.current_thread() is threading.main_thread()
+    if not use_signal:
         try:
             yield
         finally:
-            if token:
-                _deadline.reset(token)
+            _deadline.reset(token)
         return
-
-    def expire(signum, frame):
-        raise OutOfTime(f"ran past its time limit ({seconds:g} s{'; ' + hint if hint else ''})")
-
+    if signal.getsignal(LIMIT_SIGNAL) is not _expire:
+        signal.signal(LIMIT_SIGNAL, _expire)  # and left in place: a late signal then finds nothing to stop
+    _running.append((deadline, f"ran past its time limit ({seconds:g} s{'; ' + hint if hint else ''})"))
+    alarm = threading.Timer(seconds, signal.pthread_kill, (threading.main_thread().ident, LIMIT_SIGNAL))
     notice = threading.Timer(SLOW_NOTICE_S, lambda: print(
         f"minigrpo: {what} is still running after {SLOW_NOTICE_S:g} s (limit {seconds:g} s)...",
         file=sys.stderr, flush=True))
-    notice.daemon = True
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    notice.start()
+    for timer in (alarm, notice):
+        timer.daemon = True
+        timer.start()
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        alarm.cancel()
         notice.cancel()
+        _running.pop()
         _deadline.reset(token)
+
+
+def _expire(signum, frame) -> None:
+    """The limit's signal arrived: stop the call if a limit in force has run out (it may be a late signal of
+    one that has ended, or an outer limit's, which ends the inner call too)."""
+    now = time.monotonic()
+    for deadline, message in _running:
+        if deadline <= now:
+            raise OutOfTime(message)
 
 
 def time_left() -> float | None:

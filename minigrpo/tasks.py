@@ -50,15 +50,27 @@ class Task:
     environment: Callable | None = None
     # a completion's final answer as a string (None: it gave none), for majority votes in evaluation (maj@k)
     answer: Callable | None = None
+    environment_prompts: bool = False  # no data: each group's prompt is what its environment's reset() says
 
     @property
     def reward_names(self) -> list[str]:
         return [reward_name(fn) for fn in self.rewards]
 
 
-def get_task(spec: str, extra_rewards: list[str] = (), seed: int = 0, extra_tools: list[str] = ()) -> Task:
-    """The task `spec` names, with any extra reward functions and tools (\"file.py:function\") appended."""
-    if spec in BUILT_IN:
+ENVIRONMENT_TASK = "environment"  # --task when --environment supplies the prompts: no data
+
+
+def get_task(spec: str, extra_rewards: list[str] = (), seed: int = 0, extra_tools: list[str] = (),
+             environment: str | None = None) -> Task:
+    """The task `spec` names, with any extra reward functions and tools (\"file.py:function\") appended, and
+    `environment` (\"file.py:Class\", TRL's `environment_factory`) as its environment; with the task
+    \"environment\", that environment's reset() supplies every prompt, as TRL trains without a dataset."""
+    if spec == ENVIRONMENT_TASK:
+        if not environment:
+            raise ValueError("--task environment takes its prompts from an environment: give --environment file.py:Class")
+        task = Task(environment.rpartition(":")[2], f"prompts from {environment}'s reset()", _placeholder_rows,
+                    rewards=[], environment_prompts=True)
+    elif spec in BUILT_IN:
         task = built_in(spec)
     elif spec.endswith(".py"):
         task = _load_attr(Path(spec), "TASK", f"--task {spec}")
@@ -74,6 +86,9 @@ def get_task(spec: str, extra_rewards: list[str] = (), seed: int = 0, extra_tool
     else:
         raise ValueError(f"unknown task {spec!r}: not a built-in ({', '.join(BUILT_IN)}), a task .py file, "
                          f"a data file ({', '.join(DATA_SUFFIXES)}), or a hub dataset name")
+    if environment:
+        task = dataclasses.replace(task, environment=load_function(environment, "--environment", "an environment is "
+                                                                   "a class with reset(**row) and tool methods"))
     from minigrpo.episodes import environment_reward
 
     owned = environment_reward(task.environment) if task.environment else None
@@ -95,6 +110,12 @@ def get_task(spec: str, extra_rewards: list[str] = (), seed: int = 0, extra_tool
         raise ValueError(f"two tools share a name ({', '.join(sorted({n for n in names if names.count(n) > 1}))}): "
                          f"the model calls a tool by its name, so each must be distinct")
     return dataclasses.replace(task, rewards=distinct_names(rewards), weights=weights, tools=tools)
+
+
+def _placeholder_rows(split: str, seed: int) -> list[dict]:
+    """The rows of a task whose environment writes the prompts: an empty user turn its reset() fills (as
+    TRL's placeholder dataset); none held out, since no fixed prompt exists to keep apart."""
+    return [{"prompt": [{"role": "user", "content": ""}]} for _ in range(64)] if split == "train" else []
 
 
 def distinct_names(rewards: list[Callable]) -> list[Callable]:

@@ -46,7 +46,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
     run in cfg.output_dir from its latest complete checkpoint, exactly where it stopped."""
     seed_everything(cfg.seed)
     progress(stage="checking the task and its rewards")
-    task = get_task(cfg.task, cfg.rewards, extra_tools=cfg.tools)
+    task = get_task(cfg.task, cfg.rewards, extra_tools=cfg.tools, environment=cfg.environment)
     settle_budget(cfg, task)
     check_sandbox(task, cfg.allow_unconfined_code, print)
     weights = cfg.reward_weights or task.weights
@@ -306,7 +306,8 @@ def step_metrics(step: int, batch, info: dict, rewards, mb: MicroBatches, update
 def samples_of(step: int, batch, rewards, advantages, G: int) -> list[dict]:
     """Every completion with its prompt, reward and parts, and advantage, for samples.jsonl."""
     parts = batch.scores.values | batch.scores.parts
-    samples = [{"step": step, "prompt": batch.rows[i // G]["prompt"], "completion": batch.completions[i],
+    prompts = batch.prompts or [row["prompt"] for row in batch.rows]
+    samples = [{"step": step, "prompt": prompts[i // G], "completion": batch.completions[i],
                 "reward": rewards[i].item(), "reward_parts": {k: v[i] for k, v in parts.items()},
                 "advantage": advantages[i].item(), "truncated": batch.truncated[i]}
                for i in range(len(batch.completions))]

@@ -402,3 +402,18 @@ def test_a_small_data_file_trains_and_says_the_before_after_was_skipped(tmp_path
                        "1", *small, "--output-dir", tmp_path / "run3")
     assert code == 0 and "1 of the 2 held-out prompts are also training prompts" in output, output
     assert f"held-out, 2 prompts of {held_out}: pass@1" in output
+
+
+def test_a_rewards_own_alarm_does_not_reset_the_time_limit():
+    # math_verify and TRL's own examples time themselves with signal.alarm, and clear it when done
+    def own_alarm(prompts, completions, **kw):
+        signal.signal(signal.SIGALRM, lambda *args: None)
+        signal.alarm(30)
+        signal.alarm(0)
+        time.sleep(30)
+        return [1.0] * len(completions)
+
+    start = time.monotonic()
+    with pytest.warns(UserWarning, match="ran past its time limit"):
+        result = score([own_alarm], [1.0], ["p"], ["c"], [[]], [{"prompt": "p"}], timeout=1.0)
+    assert result.totals == [0.0] and time.monotonic() - start < 20
