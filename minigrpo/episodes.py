@@ -202,6 +202,7 @@ def environment_reward(factory: Callable) -> Callable | None:
         return [env.get_reward() for env in environments]
 
     reward.__name__ = kind.__name__
+    reward.environment_owned = True  # TRL adds this reward itself: `minigrpo graduate` leaves it out
     return reward
 
 

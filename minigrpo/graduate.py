@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from minigrpo.config import TrainConfig
+from minigrpo.episodes import settle_budget
 from minigrpo.model import LORA_TARGETS
 from minigrpo.tasks import get_task
 
@@ -53,19 +54,38 @@ def trl_settings(cfg: TrainConfig, gpus: int, full_finetune: bool = False, vllm_
     return settings
 
 
-def trl_rewards(task) -> list[Callable]:
-    """The task's reward functions as TRL calls them: one float (or None) per completion. A dict's parts are
-    summed, and an exception (a completion the function could not score) counts 0, as in minigrpo."""
-    def for_trl(fn):
-        def reward(**kwargs):
-            values = fn(**kwargs)
-            return [0.0 if isinstance(v, Exception) else sum(v.values()) if isinstance(v, dict) else v
-                    for v in values]
+def trl_rewards(task, strict: bool = False, timeout: float | None = None) -> tuple[list[Callable], list[float]]:
+    """The task's reward functions as TRL calls them, with their weights, each scored as minigrpo scores it
+    (`scoring.score`: copies, the time limit, async awaited, dict parts summed, a failure scored 0 and named
+    unless `strict`) and given what it gets in minigrpo: plain-text prompts and completions where the data's
+    prompts are text (the script hands TRL chat messages, so the model reads them as minigrpo renders them).
+    What it logs goes to TRL's log_extra and log_metric. An environment's own get_reward is left out: TRL
+    adds it itself."""
+    from minigrpo.scoring import reward_name, score, text_of
 
-        reward.__name__ = getattr(fn, "__name__", type(fn).__name__)  # TRL logs rewards/<name>/mean
+    def for_trl(fn):
+        name = reward_name(fn)
+
+        def reward(prompts, completions, completion_ids=None, trainer_state=None, log_extra=None, log_metric=None,
+                   **columns):
+            if columns.pop("plain_text", [False])[0]:
+                prompts, completions = [text_of(p) for p in prompts], [text_of(c) for c in completions]
+            rows = [dict({k: v[i] for k, v in columns.items()}, prompt=prompts[i]) for i in range(len(prompts))]
+            ids = completion_ids or [[] for _ in completions]
+            result = score([fn], [1.0], prompts, completions, ids, rows, strict=strict, timeout=timeout,
+                           state=trainer_state)
+            for column, values in result.extra.items():
+                log_extra and log_extra(column, values)
+            for metric, values in result.metrics.items():
+                log_metric and log_metric(metric, sum(values) / len(values))
+            return result.values[name]  # None stays None: TRL ignores it, as minigrpo counts it 0
+
+        reward.__name__ = name  # TRL logs rewards/<name>/mean
         return reward
 
-    return [for_trl(fn) for fn in task.rewards]
+    weights = task.weights or [1.0] * len(task.rewards)
+    kept = [(fn, w) for fn, w in zip(task.rewards, weights) if not getattr(fn, "environment_owned", False)]
+    return [for_trl(fn) for fn, _ in kept], [w for _, w in kept]
 
 
 def accelerate_yaml(gpus: int, backend: str = "zero2") -> str:
@@ -104,8 +124,13 @@ def graduate(cfg: TrainConfig, out: Path, gpus: int = 1, backend: str = "zero2",
         raise FileNotFoundError(f"--from-adapter {from_adapter}: no adapter_config.json there (a run's adapter "
                                 f"folder is runs/<run>/adapter)")
     cfg = dataclasses.replace(cfg, task=_absolute(cfg.task), rewards=[_absolute(r) for r in cfg.rewards],
-                              tools=[_absolute(t) for t in cfg.tools])
-    task = get_task(cfg.task, cfg.rewards, cfg.seed, cfg.tools)  # a task or reward that cannot load stops here
+                              tools=[_absolute(t) for t in cfg.tools],
+                              environment=cfg.environment and _absolute(cfg.environment))
+    # a task or reward that cannot load stops here
+    task = get_task(cfg.task, cfg.rewards, cfg.seed, cfg.tools, environment=cfg.environment)
+    settle_budget(cfg, task)  # an episode's budget, not one turn's, is TRL's max_completion_length
+    if task.tools or task.environment:
+        check_tool_template(cfg)
     settings = trl_settings(cfg, gpus, full_finetune, vllm_mode)
     if task.tools or task.environment:  # our turns count model turns; TRL's iterations, the tool calls between
         settings["max_tool_calling_iterations"] = cfg.max_turns - 1
@@ -118,6 +143,24 @@ def graduate(cfg: TrainConfig, out: Path, gpus: int = 1, backend: str = "zero2",
     (folder / "README.md").write_text(readme(cfg, settings, gpus, backend, in_4bit, full_finetune))
     cfg.save(folder / "minigrpo_config.json")
     return folder
+
+
+def check_tool_template(cfg: TrainConfig) -> None:
+    """TRL parses tool calls with the chat template's own tool support; minigrpo writes the tools into the
+    system message where a template has none, which TRL does not. Refuse a model TRL cannot run the task with."""
+    from minigrpo.model import load_tokenizer
+    from minigrpo.tools import template_has_tools
+    from minigrpo.weights import resolve_weights
+
+    try:
+        tokenizer = load_tokenizer(resolve_weights(cfg.hub_id))
+    except Exception:  # not on this machine: TRL will say so itself
+        return
+    if not template_has_tools(tokenizer):
+        raise ValueError(f"{cfg.model}'s chat template has no tool support, which TRL needs to run a task with tools "
+                         f"or an environment (minigrpo describes the tools in the system message instead); graduate "
+                         f"with a model whose template has it: --model qwen-0.5b, qwen-1.5b, qwen-3b, qwen-7b, "
+                         f"llama-3.2-1b or llama-3.2-3b")
 
 
 def _absolute(spec: str) -> str:
@@ -142,6 +185,7 @@ load through minigrpo, as in the run, so they are not copied here. Launch:
 
 import argparse
 
+import torch
 from datasets import Dataset
 from peft import LoraConfig, PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
@@ -153,7 +197,9 @@ from minigrpo.tasks import get_task
 
 MODEL = resolve_weights({hub_id!r})  # the hub id (or, offline, minigrpo's local copy of the tiny model)
 TASK, EXTRA_REWARDS, EXTRA_TOOLS, SEED = {task!r}, {rewards!r}, {tools!r}, {seed!r}
+ENVIRONMENT = {environment!r}  # TRL's environment_factory, as "file.py:Class"; None: the task's own
 REWARD_WEIGHTS = {weights!r}  # None: the task's own
+STRICT_REWARDS, REWARD_TIMEOUT = {strict!r}, {timeout!r}  # a failing reward stops the run, or scores 0; seconds
 LORA = {lora!r}  # None: full fine-tuning
 LOAD_IN_4BIT = {in_4bit!r}
 GPUS = {gpus!r}  # accelerate.yaml's processes; each takes per_device_train_batch_size completions a step
@@ -161,16 +207,23 @@ FROM_ADAPTER = {from_adapter!r}  # continue from a minigrpo adapter
 SETTINGS = {settings}
 
 
-def conversation(row: dict) -> dict:
-    """A data row with its prompt as chat messages, as minigrpo renders it."""
+def conversation(row: dict, episodes: bool) -> dict:
+    """A data row with its prompt as chat messages, as minigrpo renders it; `plain_text` tells the rewards
+    to get text back, as they do in minigrpo (episodes are chat in both)."""
     prompt = row["prompt"]
-    return dict(row, prompt=[{{"role": "user", "content": prompt}}] if isinstance(prompt, str) else prompt)
+    if isinstance(prompt, str):
+        row = dict(row, prompt=[{{"role": "user", "content": prompt}}], **({{}} if episodes else {{"plain_text": True}}))
+    return row
 
 
 def build(output_dir: str, max_steps: int, cpu: bool = False) -> GRPOTrainer:
-    task = get_task(TASK, EXTRA_REWARDS, seed=SEED, extra_tools=EXTRA_TOOLS)
-    train = Dataset.from_list([conversation(row) for row in task.make_data("train", SEED)])
-    settings = dict(SETTINGS, max_steps=max_steps, reward_weights=REWARD_WEIGHTS or task.weights)
+    task = get_task(TASK, EXTRA_REWARDS, seed=SEED, extra_tools=EXTRA_TOOLS, environment=ENVIRONMENT)
+    rewards, weights = trl_rewards(task, strict=STRICT_REWARDS, timeout=REWARD_TIMEOUT)
+    episodes = bool(task.tools or task.environment)
+    rows = [] if task.environment_prompts else [conversation(row, episodes) for row in task.make_data("train", SEED)]
+    settings = dict(SETTINGS, max_steps=max_steps, reward_weights=REWARD_WEIGHTS or weights)
+    if not cpu and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        settings.update(bf16=False, fp16=True)  # a T4 and older: float16, as minigrpo computes there
     if cpu:  # one process does what the GPUs would together
         settings.update(use_vllm=False, bf16=False, use_cpu=True, vllm_importance_sampling_correction=False,
                         per_device_train_batch_size=SETTINGS["per_device_train_batch_size"] * GPUS)
@@ -185,8 +238,8 @@ def build(output_dir: str, max_steps: int, cpu: bool = False) -> GRPOTrainer:
     if FROM_ADAPTER:
         model = PeftModel.from_pretrained(model, FROM_ADAPTER, is_trainable=True)
     return GRPOTrainer(
-        model=model, processing_class=AutoTokenizer.from_pretrained(MODEL), reward_funcs=trl_rewards(task),
-        args=GRPOConfig(output_dir=output_dir, **settings), train_dataset=train,
+        model=model, processing_class=AutoTokenizer.from_pretrained(MODEL), reward_funcs=rewards,
+        args=GRPOConfig(output_dir=output_dir, **settings), train_dataset=Dataset.from_list(rows) if rows else None,
         peft_config=LoraConfig(**LORA) if LORA and not FROM_ADAPTER else None,
         tools=task.tools or None, environment_factory=task.environment,
     )
@@ -213,12 +266,20 @@ def script(cfg: TrainConfig, settings: dict, in_4bit: bool, full_finetune: bool,
     shown = "dict(\n" + "".join(f"    {k}={v!r},\n" for k, v in settings.items()) + ")"
     return SCRIPT.format(model=cfg.model, task=cfg.task, hub_id=cfg.hub_id, rewards=list(cfg.rewards),
                          tools=list(cfg.tools), seed=cfg.seed, weights=cfg.reward_weights, in_4bit=in_4bit, gpus=gpus,
+                         environment=cfg.environment, strict=cfg.strict_rewards,
+                         timeout=cfg.reward_timeout or None,
                          lora=None if full_finetune else lora_settings(cfg), settings=shown,
                          from_adapter=str(Path(from_adapter).resolve()) if from_adapter else None)
 
 
 def readme(cfg: TrainConfig, settings: dict, gpus: int, backend: str, in_4bit: bool, full_finetune: bool) -> str:
-    rows = [("model", cfg.model, f"`MODEL = {cfg.hub_id!r}`"),
+    table = "\n".join(f"| {a} | {b} | {c} |" for a, b, c in mapping(cfg, settings, gpus, in_4bit, full_finetune))
+    return README.format(cfg=cfg, gpus=gpus, backend=backend, table=table)
+
+
+def mapping(cfg: TrainConfig, settings: dict, gpus: int, in_4bit: bool, full_finetune: bool) -> list[tuple]:
+    """(setting, minigrpo's value, TRL's equivalent), one row per setting."""
+    return [("model", cfg.model, f"`MODEL = {cfg.hub_id!r}`"),
             ("task, rewards, tools", f"{cfg.task}; {', '.join(cfg.rewards) or 'its own rewards'}",
              "loaded through minigrpo (`get_task`); rewards wrapped by `trl_rewards` (dict parts summed)"),
             ("G, prompts per step", f"{cfg.num_generations}, {cfg.prompts_per_step}",
@@ -241,10 +302,19 @@ def readme(cfg: TrainConfig, settings: dict, gpus: int, backend: str, in_4bit: b
              "all linear projections", "`LORA` (peft LoraConfig)"),
             ("4-bit base", cfg.load_in_4bit, f"`LOAD_IN_4BIT = {in_4bit}` (bitsandbytes nf4; ZeRO-2 only)"),
             ("generator", cfg.generator, f"use_vllm=True, vllm_mode={settings['vllm_mode']!r}"),
+            ("reward failures, time limit", f"{'stop' if cfg.strict_rewards else 'score 0, named'}; "
+             f"{cfg.reward_timeout:g} s per completion", "`STRICT_REWARDS`, `REWARD_TIMEOUT`: each reward runs "
+             "through minigrpo's scoring inside TRL (a failing reward does not stop TRL unless strict)"),
+            ("environment", cfg.environment or "the task's own", "environment_factory; its get_reward is added "
+             "by TRL once (minigrpo's copy is left out)"),
+            ("compute dtype", cfg.dtype, "bf16 where the GPU has it, else fp16 (as minigrpo's auto)"),
+            ("gradient checkpointing", {None: "auto (on a GPU)", True: "on", False: "off"}[cfg.gradient_checkpointing],
+             f"gradient_checkpointing={settings['gradient_checkpointing']}"),
             ("checkpoints, logging", f"every {cfg.save_every}, keep {cfg.keep}; {cfg.report_to or 'console'}",
              "save_steps, save_total_limit; report_to, logging_steps=1")]
-    table = "\n".join(f"| {a} | {b} | {c} |" for a, b, c in rows)
-    return f"""# {cfg.model} on {cfg.task}, on TRL across {gpus} GPU(s)
+
+
+README = """# {cfg.model} on {cfg.task}, on TRL across {gpus} GPU(s)
 
 Written by `minigrpo graduate` from a minigrpo setup (`minigrpo_config.json`). `train_trl.py` builds TRL's
 GRPOConfig and GRPOTrainer with the equivalent settings; the task's data and reward functions load through
@@ -281,6 +351,10 @@ The adapter lands in `trl-output/` (`--output-dir`); minigrpo reads it back: `mi
   through tool calls only. `--max-turns` (model turns) maps to `max_tool_calling_iterations` = turns - 1.
 - Held-out evaluation (pass@1 before/after, pass@k): run `minigrpo eval --adapter trl-output` on the result.
 - The memory plan (`minigrpo plan`): TRL sizes nothing for you; ZeRO-3 or FSDP shard the model instead.
+- `--micro-batch-size` and `--logprob-chunk-size` (minigrpo's memory knobs): TRL's per_device_train_batch_size
+  is the step's completions per GPU; gradient checkpointing, 4-bit and ZeRO are its memory levers.
+- `--max-prompt-tokens`: TRL 1.16 has no prompt length limit (`minigrpo train` refuses a prompt over it before
+  the model loads; under TRL a long prompt simply costs memory).
 
 ## Metric names
 

@@ -188,3 +188,109 @@ def test_each_loss_preset_gives_trls_loss_and_gradient(trl_trainer, loss, beta, 
     assert torch.allclose(ours, theirs, atol=1e-6), (ours.item(), theirs.item())
     assert torch.allclose(grad_ours, grad_theirs, atol=1e-6)
     assert grad_ours.abs().sum() > 0
+
+
+# every kind of reward that trains in minigrpo, each recording what it was given
+KINDS = '''import asyncio, json, os
+from minigrpo import per_sample
+
+
+def _record(name, completions, **kwargs):
+    with open(os.environ["REWARD_LOG"], "a") as f:
+        f.write(json.dumps({"name": name, "types": sorted({type(c).__name__ for c in completions}),
+                            "kwargs": sorted(kwargs)}) + "\\n")
+
+
+def batch(prompts, completions, **kwargs):
+    _record("batch", completions, **kwargs)
+    return [float(len(str(c)) < 200) for c in completions]
+
+
+@per_sample
+def one_by_one(completion, **example):
+    _record("one_by_one", [completion], **example)
+    return 0.5 if completion.strip() else 0.0
+
+
+async def later(prompts, completions, **kwargs):
+    await asyncio.sleep(0)
+    _record("later", completions, **kwargs)
+    return [1.0] * len(completions)
+
+
+def text(prompts, completions, **kwargs):
+    _record("text", completions, **kwargs)
+    return [float(p.startswith("What") and c.count(" ") >= 0) for p, c in zip(prompts, completions)]  # strings
+
+
+def messages(prompts, completions, **kwargs):
+    _record("messages", completions, **kwargs)
+    return [float(p[-1]["role"] == "user" and c[-1]["role"] == "assistant") for p, c in zip(prompts, completions)]
+
+
+def parts(completions, **kwargs):
+    _record("parts", completions, **kwargs)
+    return [{"short": 0.25, "kind": 0.25} for _ in completions]
+
+
+def flaky(completions, **kwargs):
+    _record("flaky", completions, **kwargs)
+    raise ValueError("not today")
+'''
+
+
+@pytest.mark.parametrize("data, kinds", [
+    ("addition", ["batch", "one_by_one", "later", "text", "parts", "flaky"]),
+    ("chat.jsonl", ["batch", "one_by_one", "later", "messages"]),
+], ids=["text prompts", "chat prompts"])
+def test_every_reward_kind_runs_under_trl_as_it_does_here(tmp_path, data, kinds):
+    (tmp_path / "kinds.py").write_text(KINDS)
+    if data == "chat.jsonl":
+        (tmp_path / data).write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"What is {n} + 1?"}]})
+                                             + "\n" for n in range(12)))
+        data = str(tmp_path / data)
+    rewards = [arg for kind in kinds for arg in ("--reward", f"{tmp_path / 'kinds.py'}:{kind}")]
+    out = tmp_path / "trl"
+    result = CliRunner().invoke(app, ["graduate", "--out", str(out), "--", "--task", data, *rewards, "-G", "2",
+                                      "--prompts-per-step", "2", "--max-new-tokens", "8"])
+    assert result.exit_code == 0, result.output
+    env = dict(os.environ, REWARD_LOG=str(tmp_path / "calls.jsonl"), TRL_EXPERIMENTAL_SILENCE="1")
+    run = subprocess.run([sys.executable, "train_trl.py", "--cpu", "--max-steps", "1", "--output-dir",
+                          str(tmp_path / "trl-out")], cwd=out, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]  # the raising reward did not stop it
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    called = {c["name"] for c in calls}
+    assert called == set(kinds), called
+    shape = "list" if "chat" in data else "str"  # what minigrpo gives these rewards, TRL now too
+    assert all(c["types"] == [shape] for c in calls if c["name"] != "one_by_one"), calls
+    assert all("trainer_state" in c["kwargs"] for c in calls)
+    assert "flaky" not in kinds or "not today" in run.stdout + run.stderr  # named, and scored 0
+
+
+def test_an_environments_own_reward_is_counted_once_under_trl(tmp_path):
+    from minigrpo.graduate import trl_rewards
+    from minigrpo.tasks import get_task
+
+    (tmp_path / "env.py").write_text(
+        "class Counter:\n    def reset(self, **row):\n        self.n = 0\n"
+        "    def bump(self) -> int:\n        \"\"\"Add one.\"\"\"\n        self.n += 1\n        return self.n\n"
+        "    def get_reward(self):\n        return float(self.n)\n")
+    (tmp_path / "r.py").write_text("def r(completions, **kw):\n    return [0.0] * len(completions)\n")
+    task = get_task("addition", [f"{tmp_path / 'r.py'}:r"], environment=f"{tmp_path / 'env.py'}:Counter")
+    assert [getattr(fn, "__name__", "") for fn in task.rewards][-1] == "Counter"  # minigrpo scores it
+    rewards, weights = trl_rewards(task)
+    assert [fn.__name__ for fn in rewards] == ["addition_reward", "r"] and len(weights) == 2  # TRL adds Counter
+
+
+def test_a_tool_task_needs_a_template_with_tools_under_trl(tmp_path):
+    result = CliRunner().invoke(app, ["graduate", "--out", str(tmp_path / "trl"), "--", "--task", "multiply",
+                                      "--max-turns", "3", "--max-new-tokens", "64"])
+    assert result.exit_code == 1 and "chat template has no tool support" in said(result), result.output
+    assert "qwen-1.5b" in said(result) and not (tmp_path / "trl").exists()
+    from minigrpo.graduate import trl_settings
+    from minigrpo.episodes import settle_budget
+    from minigrpo.tasks import get_task
+
+    cfg = TrainConfig(task="multiply", max_turns=3, max_new_tokens=64)
+    settle_budget(cfg, get_task("multiply"))
+    assert trl_settings(cfg, 1)["max_completion_length"] == 3 * 64  # the episode's budget, not one turn's
