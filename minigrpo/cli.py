@@ -288,6 +288,19 @@ def tasks() -> None:
     console.print(table)
     console.print("rewards to add to any task: --reward rewards.format:format_reward (think/answer structure); "
                   "rewards.length:overlong_penalty(...) from Python. Your own: --reward file.py:function.")
+    console.print(f"from libraries: {library_tasks()}", highlight=False)
+
+
+def library_tasks() -> str:
+    """What `--task rg:NAME` offers on this machine, or how to get it."""
+    from minigrpo.reasoning_gym_task import EXTRA, generators
+
+    try:
+        names = generators()
+    except ValueError:
+        return f"--task rg:NAME runs a reasoning-gym generator ({EXTRA})"
+    return (f"--task rg:NAME[:option=value,...] runs one of reasoning-gym's {len(names)} generators: "
+            f"{', '.join(names)}")
 
 
 @app.command("check-reward")

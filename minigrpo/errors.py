@@ -6,6 +6,7 @@ import functools
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from minigrpo.scoring import RewardError
 
@@ -20,7 +21,8 @@ def clear_errors(command):
         except Exception as error:
             if isinstance(error, typer.BadParameter) or not is_user_error(error):
                 raise
-            Console(stderr=True).print(f"[bold red]error[/]: {error}", highlight=False)
+            # the message's own brackets ("minigrpo[reasoning-gym]") are text, not markup
+            Console(stderr=True).print(f"[bold red]error[/]: {escape(str(error))}", highlight=False)
             raise typer.Exit(1) from None
 
     return run

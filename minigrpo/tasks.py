@@ -70,6 +70,10 @@ def get_task(spec: str, extra_rewards: list[str] = (), seed: int = 0, extra_tool
             raise ValueError("--task environment takes its prompts from an environment: give --environment file.py:Class")
         task = Task(environment.rpartition(":")[2], f"prompts from {environment}'s reset()", _placeholder_rows,
                     rewards=[], environment_prompts=True)
+    elif spec.startswith("rg:"):
+        from minigrpo.reasoning_gym_task import fields_from_spec
+
+        task = Task(**fields_from_spec(spec))
     elif spec in BUILT_IN:
         task = built_in(spec)
     elif spec.endswith(".py"):

@@ -1,0 +1,153 @@
+"""Tasks from reasoning-gym (`pip install 'minigrpo[reasoning-gym]'`): its procedural generators, scored by their
+own `score_answer`, a `--task` away.
+
+    minigrpo train --task rg:chain_sum                                # a generator by name
+    minigrpo train --task rg:chain_sum:min_terms=2,max_terms=3,size=500   # its options, a size, a seed
+
+    from minigrpo.tasks import get_task
+    task = get_task("rg:chain_sum:size=500,min_terms=2,max_terms=3")      # the same, from Python
+
+Each row's prompt is reasoning-gym's own: one of its system prompts (`system_prompt=`: default, simple,
+direct, chain_of_draft, DeepSeekZero; each asks for the answer between <answer></answer> tags), with
+`shots=N`, N worked exchanges (a question of the generator's and its answer in tags), then the generator's
+question. Two rewards: `rg_<name>`, the generator's `score_answer`
+on the last <answer> of the completion (0 without one), and `answer_format` (weight 0.2), one well-formed
+<answer> tag, which a small model needs to find before the task's own reward can say anything. The training
+rows come from the run's seed (or `seed=`); the held-out rows from another seed, with any question that is also
+a training question left out, so no evaluation item was trained on.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import functools
+
+EXTRA = "pip install 'minigrpo[reasoning-gym]'"
+DEFAULT_SIZE = 1000  # training rows; the held-out split draws up to a fifth of that, at most 500
+HELD_OUT_SEED = 1_000_003  # added to the training seed for the held-out rows
+SHOTS_SEED = 7_777_777  # the seed of the worked exchanges shown before each question (shots=N)
+FORMAT_WEIGHT = 0.2
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """`rg:NAME` or `rg:NAME:key=value,key=value` -> (NAME, options); values read as Python literals.
+
+    >>> parse_spec("rg:chain_sum:min_terms=2,size=500,allow_negation=False,name=x")
+    ('chain_sum', {'min_terms': 2, 'size': 500, 'allow_negation': False, 'name': 'x'})
+    """
+    _, _, rest = spec.partition(":")
+    name, _, options = rest.partition(":")
+    parsed = {}
+    for item in filter(None, options.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--task {spec}: options are key=value, separated by commas ({item!r} is not)")
+        try:
+            parsed[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            parsed[key.strip()] = value.strip()
+    return name, parsed
+
+
+def task_fields(name: str, size: int = DEFAULT_SIZE, seed: int | None = None, system_prompt: str = "default",
+                shots: int = 0, **options) -> dict:
+    """The fields of a minigrpo Task for reasoning-gym's generator `name` with its `options` (see the module;
+    `minigrpo.tasks.get_task` makes the Task)."""
+    rg = _library()
+    if name not in rg.factory.DATASETS:
+        close = difflib.get_close_matches(name, list(rg.factory.DATASETS), n=3)
+        raise ValueError(f"reasoning-gym has no generator {name!r}" + (f"; did you mean {', '.join(close)}?" if close
+                         else f"; `minigrpo tasks` lists the {len(rg.factory.DATASETS)} it has"))
+    if system_prompt not in rg.utils.SYSTEM_PROMPTS:
+        raise ValueError(f"rg:{name}: system_prompt={system_prompt!r} is none of reasoning-gym's: "
+                         f"{', '.join(rg.utils.SYSTEM_PROMPTS)}")
+    system = rg.utils.SYSTEM_PROMPTS[system_prompt]
+    # worked exchanges before the question (few-shot), from a generator stream of their own: a small model
+    # that ignores the answer tags when told follows them when shown
+    shown = [] if not shots else [
+        turn for entry in rg.create_dataset(name, size=shots, seed=SHOTS_SEED, **options)
+        for turn in ({"role": "user", "content": entry["question"]},
+                     {"role": "assistant", "content": f"<answer>{entry['answer']}</answer>"})]
+    system = [{"role": "system", "content": system}, *shown]
+    try:
+        rg.create_dataset(name, size=1, seed=0, **options)
+    except Exception as error:  # its own config check: a wrong option name or value
+        raise ValueError(f"rg:{name}: reasoning-gym refused the options {options}: {error}") from None
+
+    @functools.cache
+    def dataset(split: str, run_seed: int):
+        base = run_seed if seed is None else seed
+        if split == "train":
+            return rg.create_dataset(name, size=size, seed=base, **options)
+        return rg.create_dataset(name, size=min(500, max(size // 5, 1)), seed=base + HELD_OUT_SEED, **options)
+
+    def make_data(split: str, run_seed: int) -> list[dict]:
+        data = dataset(split, run_seed)
+        rows = [_row(entry, split, i, run_seed, system) for i, entry in enumerate(data)]
+        if split == "test":  # a question also drawn for training is not held out
+            trained = {entry["question"] for entry in dataset("train", run_seed)}
+            rows = [r for r, entry in zip(rows, data) if entry["question"] not in trained]
+        return rows
+
+    def score(completions, rg_split, rg_index, rg_seed, **columns) -> list[float]:
+        out = []
+        for completion, split, index, run_seed in zip(completions, rg_split, rg_index, rg_seed):
+            data = dataset(split, run_seed)
+            out.append(float(data.score_answer(_answer(completion), data[index])))
+        return out
+
+    score.__name__ = f"rg_{name}"
+    first = dataset("train", 0)[0]
+    example = dict(_row(first, "train", 0, 0, system), completion=f"<answer>{first['answer']}</answer>",
+                   expected=1.0 + FORMAT_WEIGHT)
+    return dict(name=f"rg:{name}", description=f"reasoning-gym's {name} generator, scored by its score_answer",
+                make_data=make_data, rewards=[score, answer_format], weights=[1.0, FORMAT_WEIGHT], examples=[example],
+                answer=_answer)
+
+
+def fields_from_spec(spec: str) -> dict:
+    name, options = parse_spec(spec)
+    return task_fields(name, **options)
+
+
+def answer_format(completions, **columns) -> list[float]:
+    """1.0 for exactly one non-empty <answer>...</answer>, the format reasoning-gym's prompt asks for.
+
+    >>> answer_format(["I think 3. <answer>3</answer>", "<answer></answer>", "3", "<answer>1</answer><answer>2</answer>"])
+    [1.0, 0.0, 0.0, 0.0]
+    """
+    from minigrpo.scoring import text_of
+
+    out = []
+    for completion in completions:
+        text = text_of(completion)
+        found = _library().utils.extract_answer(text)
+        out.append(float(bool(found) and text.count("<answer>") == 1))
+    return out
+
+
+def generators() -> list[str]:
+    """The generators the installed reasoning-gym offers."""
+    return sorted(_library().factory.DATASETS)
+
+
+def _row(entry: dict, split: str, index: int, run_seed: int, before: list[dict]) -> dict:
+    return {"prompt": [*before, {"role": "user", "content": entry["question"]}],
+            "answer": str(entry["answer"]), "rg_split": split, "rg_index": index, "rg_seed": run_seed}
+
+
+def _answer(completion) -> str | None:
+    """The completion's last <answer>, as reasoning-gym extracts it."""
+    from minigrpo.scoring import text_of
+
+    return _library().utils.extract_answer(text_of(completion))
+
+
+def _library():
+    try:
+        import reasoning_gym
+        import reasoning_gym.utils  # noqa: F401
+    except ImportError:
+        raise ValueError(f"--task rg:... needs reasoning-gym: {EXTRA}") from None
+    return reasoning_gym

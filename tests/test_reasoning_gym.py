@@ -1,0 +1,92 @@
+"""Tasks from reasoning-gym (the installed library, not a stand-in): its prompts, its own scoring, held-out rows
+never trained on, and the task from the command line, in check-reward, eval and graduate."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from minigrpo.cli import app
+from minigrpo.scoring import score
+from minigrpo.tasks import get_task
+
+rg = pytest.importorskip("reasoning_gym")
+
+SMALL = "rg:basic_arithmetic:min_terms=2,max_terms=2,min_digits=1,max_digits=2,size=200"
+
+
+def said(result) -> str:
+    return " ".join(result.output.split())
+
+
+def test_the_generators_questions_and_its_own_scoring():
+    task = get_task(SMALL)
+    train, test = task.make_data("train", 0), task.make_data("test", 0)
+    assert len(train) == 200 and test
+    reference = rg.create_dataset("basic_arithmetic", size=200, seed=0, min_terms=2, max_terms=2, min_digits=1,
+                                  max_digits=2)
+    assert [r["prompt"][-1]["content"] for r in train] == [e["question"] for e in reference]
+    assert train[0]["prompt"][0] == {"role": "system", "content": rg.utils.SYSTEM_PROMPTS["default"]}
+    # held out: another seed, and nothing that was also drawn for training
+    assert not {r["prompt"][-1]["content"] for r in test} & {r["prompt"][-1]["content"] for r in train}
+    rows = train[:3]
+    completions = [f"Thinking... <answer>{rows[0]['answer']}</answer>", "<answer>-999999</answer>",
+                   f"it is {rows[2]['answer']}"]
+    result = score(task.rewards, task.weights, [r["prompt"] for r in rows], completions, [[]] * 3, rows)
+    expected = [reference.score_answer(a, reference[i]) for i, a in enumerate([rows[0]["answer"], "-999999", None])]
+    assert result.values["rg_basic_arithmetic"] == expected == [1.0, 0.0, 0.0]
+    assert result.values["answer_format"] == [1.0, 1.0, 0.0]
+
+
+def test_worked_exchanges_and_the_system_prompt_are_options():
+    task = get_task(SMALL + ",system_prompt=direct,shots=2")
+    prompt = task.make_data("train", 0)[0]["prompt"]
+    assert [m["role"] for m in prompt] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert prompt[0]["content"] == rg.utils.SYSTEM_PROMPTS["direct"] and prompt[2]["content"].startswith("<answer>")
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("rg:basic_arithmetc", "reasoning-gym has no generator 'basic_arithmetc'; did you mean basic_arithmetic"),
+    ("rg:chain_sum:min_terms=0", "rg:chain_sum: reasoning-gym refused the options"),
+    ("rg:chain_sum:system_prompt=loud", "system_prompt='loud' is none of reasoning-gym's"),
+    ("rg:chain_sum:min_terms", "options are key=value"),
+])
+def test_bad_names_and_options_are_one_line(spec, says, tmp_path):
+    result = CliRunner().invoke(app, ["train", "--task", spec, "--output-dir", str(tmp_path / "run")])
+    assert result.exit_code == 1 and says in said(result) and "Traceback" not in result.output, result.output
+
+
+def test_without_the_library_the_error_names_the_extra(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # as if not installed
+    result = CliRunner().invoke(app, ["train", "--task", "rg:chain_sum", "--output-dir", str(tmp_path / "run")])
+    assert result.exit_code == 1 and "pip install 'minigrpo[reasoning-gym]'" in said(result), result.output
+
+
+def test_trains_checks_and_evaluates_from_the_command_line(tmp_path):
+    runner = CliRunner()
+    checked = runner.invoke(app, ["check-reward", "--task", SMALL, "--no-model"])
+    assert checked.exit_code == 0 and "rg_basic_arithmetic" in checked.output and "raised" not in checked.output
+    trained = runner.invoke(app, ["train", "--task", SMALL, "--steps", "1", "-G", "2", "--prompts-per-step", "2",
+                                  "--max-new-tokens", "16", "--eval-prompts", "4", "--output-dir", str(tmp_path / "run")])
+    assert trained.exit_code == 0 and "held-out, 4 prompts never trained on" in said(trained), trained.output
+    metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert "reward/rg_basic_arithmetic/mean" in metrics and "reward/answer_format/mean" in metrics
+    evaluated = runner.invoke(app, ["eval", "--task", SMALL, "--adapter", str(tmp_path / "run" / "adapter"),
+                                    "--prompts", "4", "--samples", "2", "--max-new-tokens", "16"])
+    assert evaluated.exit_code == 0 and "pass@k" in evaluated.output, evaluated.output
+
+
+def test_a_reasoning_gym_task_graduates_to_trl(tmp_path):
+    pytest.importorskip("trl")
+    out = tmp_path / "trl"
+    result = CliRunner().invoke(app, ["graduate", "--out", str(out), "--", "--task", SMALL, "-G", "2",
+                                      "--prompts-per-step", "2", "--max-new-tokens", "8"])
+    assert result.exit_code == 0, result.output
+    run = subprocess.run([sys.executable, "train_trl.py", "--cpu", "--max-steps", "1", "--output-dir",
+                          str(tmp_path / "trl-out")], cwd=out, capture_output=True, text=True, timeout=900,
+                         env=dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1"))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "rewards/rg_basic_arithmetic/mean" in run.stdout + run.stderr
