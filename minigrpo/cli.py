@@ -288,27 +288,18 @@ def tasks() -> None:
     console.print(table)
     console.print("rewards to add to any task: --reward rewards.format:format_reward (think/answer structure); "
                   "rewards.length:overlong_penalty(...) from Python. Your own: --reward file.py:function.")
-    console.print(f"from libraries: {library_tasks()}", highlight=False)
+    from minigrpo.reasoning_gym_task import listing
 
-
-def library_tasks() -> str:
-    """What `--task rg:NAME` offers on this machine, or how to get it."""
-    from minigrpo.reasoning_gym_task import EXTRA, generators
-
-    try:
-        names = generators()
-    except ValueError:
-        return f"--task rg:NAME runs a reasoning-gym generator ({EXTRA})"
-    return (f"--task rg:NAME[:option=value,...] runs one of reasoning-gym's {len(names)} generators: "
-            f"{', '.join(names)}")
+    console.print(f"from libraries: {listing()}", highlight=False)
 
 
 @app.command("check-reward")
 @clear_errors
 def check_reward(
-    task: str = typer.Option(None, help="Built-in task, task .py file, data file, or hub dataset [with "
-                                        "--environment only: the prompts its reset() writes]."),
-    environment: str = typer.Option(None, help="An environment class file.py:Class, as train takes it."),
+    task: str = typer.Option(None, help="Built-in task, task .py file, data file, or hub dataset [default: "
+                                        "none; with --environment alone, the prompts its reset() writes]."),
+    environment: str = typer.Option(None, help="An environment class file.py:Class, as train takes it "
+                                               "[default: the task's own]."),
     reward: list[str] = typer.Option([], help="Extra reward function file.py:function (repeat) [default: none]."),
     tool: list[str] = typer.Option([], help="A tool the model may call, file.py:function (repeat): each "
                                             "completion becomes an episode [default: the task's own]."),

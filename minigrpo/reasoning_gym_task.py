@@ -127,9 +127,14 @@ def answer_format(completions, **columns) -> list[float]:
     return out
 
 
-def generators() -> list[str]:
-    """The generators the installed reasoning-gym offers."""
-    return sorted(_library().factory.DATASETS)
+def listing() -> str:
+    """What `--task rg:NAME` offers on this machine, or how to get it (for `minigrpo tasks`)."""
+    try:
+        names = sorted(_library().factory.DATASETS)
+    except ValueError:
+        return f"--task rg:NAME runs a reasoning-gym generator ({EXTRA})"
+    return (f"--task rg:NAME[:option=value,...] runs one of reasoning-gym's {len(names)} generators: "
+            f"{', '.join(names)}")
 
 
 def _row(entry: dict, split: str, index: int, run_seed: int, before: list[dict]) -> dict:
