@@ -36,7 +36,10 @@ def progress(**fields) -> None:
 
 def watch(argv: list[str]) -> int | None:
     """In the command-line process: fork; the child returns None and runs the command, reporting through
-    `progress` (and `finished()` at the end); this process waits and returns the exit status to use."""
+    `progress` (and `finished()` at the end); this process waits and returns the exit status to use. Off
+    Linux (no fork on Windows; macOS's system libraries are not safe to fork) the command runs unwatched."""
+    if not sys.platform.startswith("linux"):
+        return None
     read_fd, write_fd = os.pipe()
     child = os.fork()
     if child == 0:
