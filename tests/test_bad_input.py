@@ -410,10 +410,10 @@ def test_a_rewards_own_alarm_does_not_reset_the_time_limit():
         signal.signal(signal.SIGALRM, lambda *args: None)
         signal.alarm(30)
         signal.alarm(0)
-        time.sleep(30)
+        time.sleep(300)
         return [1.0] * len(completions)
 
     start = time.monotonic()
     with pytest.warns(UserWarning, match="ran past its time limit"):
         result = score([own_alarm], [1.0], ["p"], ["c"], [[]], [{"prompt": "p"}], timeout=1.0)
-    assert result.totals == [0.0] and time.monotonic() - start < 20
+    assert result.totals == [0.0] and time.monotonic() - start < 120  # stopped, not slept out (loose on purpose)

@@ -243,20 +243,28 @@ def test_the_haiku_task_is_judged_by_the_base_model(tmp_path):
 
 
 class Stuck(BaseHTTPRequestHandler):
-    """Accepts every request and never answers (until the test ends); or, for /v1/limited, answers 429 with
-    the Retry-After the server was given."""
+    """Accepts every request and never answers (until the test ends); or, under /v1/limited, answers 429 with
+    the Retry-After the server was given (and under /v1/interrupt, then sends this process a real Ctrl-C, so it
+    arrives while the judge waits). Counts the requests."""
     release = threading.Event()
     retry_after = "3600"
+    hits: list = []
 
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
-        if self.path.startswith("/v1/limited"):
+        Stuck.hits.append(self.path)
+        if self.path.startswith(("/v1/limited", "/v1/interrupt")):
             payload = b"{}"
             self.send_response(429)
             self.send_header("Retry-After", Stuck.retry_after)
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
             self.wfile.write(payload)
+            if self.path.startswith("/v1/interrupt"):
+                import os
+                import signal
+
+                os.kill(os.getpid(), signal.SIGINT)
             return
         Stuck.release.wait()
 
@@ -267,6 +275,7 @@ class Stuck(BaseHTTPRequestHandler):
 @pytest.fixture
 def stuck():
     Stuck.release.clear()
+    Stuck.hits = []
     server = ThreadingHTTPServer(("127.0.0.1", 0), Stuck)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -282,11 +291,11 @@ def test_a_judge_that_never_answers_costs_no_more_than_the_reward_time_limit(stu
     with pytest.warns(UserWarning, match="could not score 4 of 4.*no answer within the reward's time limit"):
         result = score([judge], [1.0], ["p"] * n, ["a", "b", "c", "d"], [[]] * n, [{"prompt": "p"}] * n,
                        timeout=per_completion)
-    elapsed = time.monotonic() - start
     assert result.totals == [0.0] * n and result.errors == {"hung": n}
-    # the limit is n x per_completion for the call; before, the stuck workers were waited for and each
-    # completion was then retried alone (25 s for a 2 s limit)
-    assert elapsed < n * per_completion + 3.0, elapsed
+    # the judge gave up at the call's deadline: each completion asked at most once, and not asked again one by
+    # one after a timed-out call (as before, when a 2 s limit took 25.5 s); the time is a loose guard only
+    assert len(Stuck.hits) <= n, Stuck.hits
+    assert time.monotonic() - start < n * per_completion + 20
 
 
 @pytest.mark.parametrize("header", ["3600", "Wed, 21 Oct 2099 07:28:00 GMT"])
@@ -296,19 +305,17 @@ def test_a_long_retry_after_is_cut_to_the_deadline(stuck, header, monkeypatch):
     start = time.monotonic()
     with pytest.warns(UserWarning, match="could not score 2 of 2.*429"):
         result = score([judge], [1.0], ["p"] * 2, ["a", "b"], [[]] * 2, [{"prompt": "p"}] * 2, timeout=1.0)
-    assert result.totals == [0.0, 0.0] and time.monotonic() - start < 2.0 + 3.0
+    # parsed (an HTTP date raised ValueError before), and not waited out: no retry fits before the deadline
+    assert result.totals == [0.0, 0.0] and len(Stuck.hits) == 2
+    assert time.monotonic() - start < 30
 
 
 def test_ctrl_c_reaches_through_a_judge_waiting_out_retry_after(stuck):
-    import os
-    import signal
-
-    judge = Judge("x", name="limited", endpoint=f"{stuck}/v1/limited", model="m")  # no deadline: waits 60 s
-    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    judge = Judge("x", name="limited", endpoint=f"{stuck}/v1/interrupt", model="m")  # no deadline: waits 60 s
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        judge(["p"], ["a"])
-    assert time.monotonic() - start < 30
+        judge(["p"], ["a"])  # the server sends the Ctrl-C once it has answered 429
+    assert time.monotonic() - start < 50
 
 
 def test_an_endpoint_that_cannot_be_reached_stops_before_training(tmp_path):
