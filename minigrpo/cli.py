@@ -288,9 +288,10 @@ def tasks() -> None:
     console.print(table)
     console.print("rewards to add to any task: --reward rewards.format:format_reward (think/answer structure); "
                   "rewards.length:overlong_penalty(...) from Python. Your own: --reward file.py:function.")
-    from minigrpo.reasoning_gym_task import listing
+    from minigrpo import openenv_task, reasoning_gym_task, verifiers_task
 
-    console.print(f"from libraries: {listing()}", highlight=False)
+    for source in (reasoning_gym_task, verifiers_task, openenv_task):
+        console.print(f"from libraries: {source.listing()}", highlight=False)
 
 
 @app.command("check-reward")

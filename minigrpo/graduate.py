@@ -165,7 +165,10 @@ def check_tool_template(cfg: TrainConfig) -> None:
 
 def _absolute(spec: str) -> str:
     """A task, reward or tool given as a path (file.py, data.jsonl, file.py:function), made absolute so the
-    script finds it from any folder on this machine; names of built-ins and modules stay as they are."""
+    script finds it from any folder on this machine; names of built-ins and modules stay as they are (a
+    library's task, `vf:file.py:options`, has its file made absolute the same way)."""
+    if spec.startswith("vf:"):
+        return "vf:" + _absolute(spec[3:])
     path, sep, function = spec.rpartition(":") if ":" in spec and not Path(spec).exists() else (spec, "", "")
     return str(Path(path).resolve()) + sep + function if Path(path).exists() else spec
 

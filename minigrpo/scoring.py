@@ -257,6 +257,19 @@ def awaited(value):
     return out["value"]
 
 
+_background: list = []  # the one event loop of background_loop(), once started
+
+
+def background_loop() -> asyncio.AbstractEventLoop:
+    """An event loop running in a daemon thread of its own (started on first use), for work that must be left
+    behind at a deadline: a caller waits on `run_coroutine_threadsafe(...).result(timeout)` and returns on
+    time, while a connection that cannot close politely finishes closing here."""
+    if not _background:
+        _background.append(asyncio.new_event_loop())
+        threading.Thread(target=_background[0].run_forever, name="minigrpo-background", daemon=True).start()
+    return _background[0]
+
+
 def score(reward_fns: list[Callable], weights: list[float], prompts: list, completions: list,
           completion_ids: list[list[int]], rows: list[dict], strict: bool = False,
           timeout: float | None = None, state=None) -> Scores:

@@ -5,6 +5,7 @@ and where one comes from: a built-in name, a task file, a data file, or a hub da
     --task my_task.py              a file shaped like the built-ins: TASK = Task(...)
     --task data.jsonl              .jsonl .json .csv .parquet with a `prompt` column; rewards from --reward
     --task openai/gsm8k            a hub dataset, when the `datasets` package and the hub are there
+    --task rg:NAME / vf:NAME / openenv:URL   a task from reasoning-gym, verifiers or an OpenEnv server
     --reward my_rewards.py:short   a reward function from a file (or `package.module:function`)
 """
 
@@ -72,6 +73,14 @@ def get_task(spec: str, extra_rewards: list[str] = (), seed: int = 0, extra_tool
                     rewards=[], environment_prompts=True)
     elif spec.startswith("rg:"):
         from minigrpo.reasoning_gym_task import fields_from_spec
+
+        task = Task(**fields_from_spec(spec))
+    elif spec.startswith("vf:"):
+        from minigrpo.verifiers_task import fields_from_spec
+
+        task = Task(**fields_from_spec(spec))
+    elif spec.startswith("openenv:"):
+        from minigrpo.openenv_task import fields_from_spec
 
         task = Task(**fields_from_spec(spec))
     elif spec in BUILT_IN:
