@@ -45,7 +45,7 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     >>> parse_spec("openenv:http://localhost:8000/")
     ('http://localhost:8000', {})
     """
-    from minigrpo.reasoning_gym_task import parse_spec as options_of
+    from minigrpo.task_specs import parse_spec as options_of
 
     rest = spec.removeprefix("openenv:")
     url, sep, tail = rest.rpartition(":")

@@ -19,35 +19,16 @@ a training question left out, so no evaluation item was trained on.
 
 from __future__ import annotations
 
-import ast
 import difflib
 import functools
+
+from minigrpo.task_specs import parse_spec
 
 EXTRA = "pip install 'minigrpo[reasoning-gym]'"
 DEFAULT_SIZE = 1000  # training rows; the held-out split draws up to a fifth of that, at most 500
 HELD_OUT_SEED = 1_000_003  # added to the training seed for the held-out rows
 SHOTS_SEED = 7_777_777  # the seed of the worked exchanges shown before each question (shots=N)
 FORMAT_WEIGHT = 0.2
-
-
-def parse_spec(spec: str) -> tuple[str, dict]:
-    """`rg:NAME` or `rg:NAME:key=value,key=value` -> (NAME, options); values read as Python literals.
-
-    >>> parse_spec("rg:chain_sum:min_terms=2,size=500,allow_negation=False,name=x")
-    ('chain_sum', {'min_terms': 2, 'size': 500, 'allow_negation': False, 'name': 'x'})
-    """
-    _, _, rest = spec.partition(":")
-    name, _, options = rest.partition(":")
-    parsed = {}
-    for item in filter(None, options.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--task {spec}: options are key=value, separated by commas ({item!r} is not)")
-        try:
-            parsed[key.strip()] = ast.literal_eval(value.strip())
-        except (ValueError, SyntaxError):
-            parsed[key.strip()] = value.strip()
-    return name, parsed
 
 
 def task_fields(name: str, size: int = DEFAULT_SIZE, seed: int | None = None, system_prompt: str = "default",

@@ -19,7 +19,6 @@ import importlib.util
 import io
 import json
 import os
-import random
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from minigrpo.scoring import reward_name
+from minigrpo.task_specs import split_rows  # noqa: F401 - the built-in tasks' data split, importable from here
 
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 # the built-in tasks: a name, and the module of `rewards/` whose TASK it is, loaded by name as a task file is
@@ -322,15 +322,6 @@ def rows_and_places(task: Task, seed: int) -> tuple[list[dict], list[str], str]:
     train, test = task.make_data("train", seed), task.make_data("test", seed)
     places = [f"train row {i}" for i in range(1, len(train) + 1)] + [f"test row {i}" for i in range(1, len(test) + 1)]
     return train + test, places, f"task {task.name}"
-
-
-def split_rows(rows: list[dict], split: str, seed: int) -> list[dict]:
-    """A fixed, seeded held-out slice for "test" (a tenth, at most 200 rows); the rest for "train"."""
-    order = list(range(len(rows)))
-    random.Random(seed).shuffle(order)
-    n_test = min(200, len(rows) // 10)
-    chosen = order[:n_test] if split == "test" else order[n_test:]
-    return [rows[i] for i in sorted(chosen)]
 
 
 def _file_data(path: Path) -> Callable[[str, int], list[dict]]:

@@ -34,7 +34,7 @@ import pkgutil
 import sys
 from pathlib import Path
 
-from minigrpo.reasoning_gym_task import parse_spec
+from minigrpo.task_specs import parse_spec, split_rows
 
 EXTRA = "pip install 'minigrpo[verifiers]'"
 DEFAULT_SIZE = 1000
@@ -62,8 +62,6 @@ def fields_from_spec(spec: str) -> dict:
         return _score(tasks()[index], json.loads(completion), vf)
 
     def make_data(split: str, seed: int) -> list[dict]:
-        from minigrpo.tasks import split_rows
-
         rows = [{"prompt": messages(task.data), "vf_index": i} for i, task in enumerate(tasks())]
         return split_rows(rows, split, seed)
 

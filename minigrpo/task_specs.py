@@ -1,0 +1,41 @@
+"""What the task sources share: the options written after a library task's name on the command line, and the
+fixed held-out slice of a list of rows.
+
+    --task rg:chain_sum:min_terms=2,size=500     reasoning-gym       (minigrpo.reasoning_gym_task)
+    --task vf:envs/arith.py:size=200             verifiers           (minigrpo.verifiers_task)
+    --task openenv:http://127.0.0.1:8000:size=8  an OpenEnv server   (minigrpo.openenv_task)
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """`PREFIX:NAME` or `PREFIX:NAME:key=value,key=value` -> (NAME, options); values read as Python literals.
+
+    >>> parse_spec("rg:chain_sum:min_terms=2,size=500,allow_negation=False,name=x")
+    ('chain_sum', {'min_terms': 2, 'size': 500, 'allow_negation': False, 'name': 'x'})
+    """
+    _, _, rest = spec.partition(":")
+    name, _, options = rest.partition(":")
+    parsed = {}
+    for item in filter(None, options.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--task {spec}: options are key=value, separated by commas ({item!r} is not)")
+        try:
+            parsed[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            parsed[key.strip()] = value.strip()
+    return name, parsed
+
+
+def split_rows(rows: list[dict], split: str, seed: int) -> list[dict]:
+    """A fixed, seeded held-out slice for "test" (a tenth, at most 200 rows); the rest for "train"."""
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    n_test = min(200, len(rows) // 10)
+    chosen = order[:n_test] if split == "test" else order[n_test:]
+    return [rows[i] for i in sorted(chosen)]
