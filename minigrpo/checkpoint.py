@@ -25,7 +25,8 @@ import torch
 PREFIX = "step-"
 
 
-def save(run_dir: Path, step: int, model, optimizer, scheduler, prompts, generator, keep: int, scaler=None) -> Path:
+def save(run_dir: Path, step: int, model, optimizer, scheduler, prompts, generator, keep: int, scaler=None,
+         extra: dict | None = None) -> Path:
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:06d}"
@@ -41,6 +42,7 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, prompts, generat
         "prompts": prompts.state_dict(),
         "generator": generator.state_dict() if hasattr(generator, "state_dict") else None,
         "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+        "extra": {name: part.state_dict() for name, part in (extra or {}).items()},  # e.g. the entropy control
     }
     torch.save(state, partial / "state.pt")
     _fsync_tree(partial)
@@ -69,18 +71,19 @@ def candidates(run_dir: Path) -> list[Path]:
     return sorted((p for p in root.glob(f"{PREFIX}*") if (p / "state.pt").exists()), reverse=True)
 
 
-def load_newest(run_dir: Path, model, optimizer, scheduler, prompts, generator, scaler=None, say=print) -> tuple[Path, int]:
+def load_newest(run_dir: Path, model, optimizer, scheduler, prompts, generator, scaler=None, say=print,
+                extra: dict | None = None) -> tuple[Path, int]:
     """Restore the newest checkpoint that reads whole, saying which were skipped and why."""
     for checkpoint in candidates(run_dir):
         try:
-            return checkpoint, load(checkpoint, model, optimizer, scheduler, prompts, generator, scaler)
+            return checkpoint, load(checkpoint, model, optimizer, scheduler, prompts, generator, scaler, extra)
         except Exception as error:  # a truncated or corrupted file: torch, safetensors and pickle raise many kinds
             say(f"[yellow]warning[/]: checkpoint {checkpoint} cannot be read ({type(error).__name__}: "
                 f"{str(error)[:120]}); trying the one before it")
     raise FileNotFoundError(f"{run_dir} has no complete checkpoint to resume from")
 
 
-def load(checkpoint: Path, model, optimizer, scheduler, prompts, generator, scaler=None) -> int:
+def load(checkpoint: Path, model, optimizer, scheduler, prompts, generator, scaler=None, extra: dict | None = None) -> int:
     """Restore everything `save` wrote; returns the step it was taken after."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
@@ -97,6 +100,9 @@ def load(checkpoint: Path, model, optimizer, scheduler, prompts, generator, scal
         generator.load_state_dict(state["generator"])
     if state.get("scaler") and scaler is not None and scaler.is_enabled():
         scaler.load_state_dict(state["scaler"])
+    for name, part in (extra or {}).items():
+        if name in state.get("extra", {}):
+            part.load_state_dict(state["extra"][name])
     generator.sync(model)
     rng = state["rng"]
     random.setstate(rng["python"])

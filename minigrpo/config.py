@@ -93,7 +93,14 @@ class TrainConfig:
 
     # objective (minigrpo/loss.py has the formulas)
     learning_rate: float | None = None  # None: from the preset
-    beta: float = 0.0  # weight of the k3 KL to the reference; 0 skips the reference pass entirely
+    beta: float = 0.0  # weight of the KL to the reference; 0 skips the reference pass entirely
+    kl_estimator: str = "k3"  # the KL's estimate per token: "k1", "k2" or "k3" (loss.kl_estimate)
+    reference_adapter: str | None = None  # the KL's reference: the base plus this adapter; None: adapters off
+    init_adapter: str | None = None  # the adapter starts from this folder's weights (`minigrpo sft`'s); None: fresh
+    advantage: str = "grpo"  # the baseline: "grpo" (group mean), "rloo" (leave-one-out), "maxrl" (/ mean success)
+    reward_aggregation: str = "sum"  # several rewards: "sum" (weighted), "normalize_then_sum" (GDPO: per group first)
+    entropy_coef: float = 0.0  # bonus on the trained tokens' mean entropy; with entropy_target, its first value
+    entropy_target: float | None = None  # nats: adapt entropy_coef to hold the entropy here (TRL's adaptive); None
     loss: str = "dapo"  # preset of the knobs below: grpo, dr_grpo, dapo, bnpo, gspo, cispo
     scale_rewards: str | None = None  # advantages divided by the std of: "group", "batch", "none"; None: preset
     loss_aggregation: str | None = None  # "sequence", "token" or "constant"; None: from the loss preset
@@ -138,6 +145,7 @@ class TrainConfig:
     strict_rewards: bool = False  # a reward function that raises stops the run (default: scores 0, counted)
     reward_timeout: float = 10.0  # seconds a reward function may take per completion (0: no limit)
     allow_unconfined_code: bool = False  # run model-written code where the kernel cannot fully confine it
+    forked_from: str | None = None  # "RUN@STEP" when this run began as a fork of another's checkpoint (--fork)
 
     preset: dict = field(default_factory=dict, repr=False)  # the preset values used, kept for the record
 
@@ -151,6 +159,11 @@ class TrainConfig:
             self.lora_alpha = 2 * self.lora_rank
         from minigrpo.loss import PRESETS as LOSSES
 
+        if self.advantage == "maxrl":  # its divisor is the group's mean success: no other scale goes with it
+            if self.scale_rewards not in (None, "none"):
+                raise ValueError(f"bad config: advantage maxrl divides by the group's mean success, so "
+                                 f"scale_rewards {self.scale_rewards!r} cannot apply; leave --scale-rewards out")
+            self.scale_rewards = "none"
         if self.loss not in LOSSES:
             raise ValueError(f"bad config: loss must be one of {', '.join(LOSSES)}, not {self.loss!r}")
         for knob, value in LOSSES[self.loss].items():
@@ -225,10 +238,32 @@ class TrainConfig:
             (self.max_turns >= 1, "max_turns must be at least 1"),
             (self.max_episode_tokens is None or self.max_episode_tokens >= 1, "max_episode_tokens must be at least 1"),
             (self.tool_timeout > 0, "tool_timeout must be > 0"),
+            (self.advantage in ("grpo", "rloo", "maxrl"), "advantage must be grpo, rloo or maxrl"),
+            (self.reward_aggregation in ("sum", "normalize_then_sum"), "reward_aggregation must be sum or "
+                                                                        "normalize_then_sum"),
+            (self.kl_estimator in ("k1", "k2", "k3"), "kl_estimator must be k1, k2 or k3"),
+            (self.entropy_coef >= 0, "entropy_coef must be >= 0"),
+            (self.entropy_target is None or self.entropy_target > 0, "entropy_target must be > 0 (nats)"),
+            (not self.reference_adapter or self.beta > 0, "reference_adapter is the KL's reference: it needs "
+                                                          "--beta above 0"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"bad config: {message}")
+        for flag, folder in (("--init-adapter", self.init_adapter), ("--reference-adapter", self.reference_adapter)):
+            if folder:
+                self._check_adapter(flag, Path(folder))
+
+    def _check_adapter(self, flag: str, folder: Path) -> None:
+        """An adapter given to start from or to compare with must be one, of the policy's rank."""
+        settings = folder / "adapter_config.json"
+        if not settings.is_file():
+            raise ValueError(f"bad config: {flag} {folder} is not an adapter folder (no adapter_config.json); give "
+                             f"a run's adapter/ or `minigrpo sft`'s output")
+        rank = json.loads(settings.read_text()).get("r")
+        if rank != self.lora_rank:
+            raise ValueError(f"bad config: {flag} {folder} has LoRA rank {rank} and this run's adapter rank "
+                             f"{self.lora_rank}; give --lora-rank {rank}")
 
     @property
     def completion_tokens(self) -> int:

@@ -50,8 +50,26 @@ def trl_settings(cfg: TrainConfig, gpus: int, full_finetune: bool = False, vllm_
         vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=cfg.tis_cap or 3.0,
         logging_steps=1, save_steps=cfg.save_every or cfg.steps, save_total_limit=cfg.keep,
         report_to=list(cfg.report_to) or ["none"], log_completions=True, bf16=True,
+        multi_objective_aggregation={"sum": "sum_then_normalize"}.get(cfg.reward_aggregation, cfg.reward_aggregation),
+        entropy_coef=cfg.entropy_coef, use_adaptive_entropy=cfg.entropy_target is not None,
+        **({"entropy_target": cfg.entropy_target} if cfg.entropy_target is not None else {}),
     )
     return settings
+
+
+def not_carried(cfg: TrainConfig) -> list[str]:
+    """The run's settings that TRL's GRPOTrainer (1.16) has no option for, each with what the script does."""
+    out = []
+    if cfg.advantage != "grpo":
+        out.append(f"`--advantage {cfg.advantage}`: GRPOTrainer forms the group-mean advantage (its scale set by "
+                   f"scale_rewards); " + ("TRL's RLOO is its own RLOOTrainer" if cfg.advantage == "rloo" else
+                                          "TRL 1.16 has no MaxRL") + ". The script trains with the group mean.")
+    if cfg.kl_estimator != "k3":
+        out.append(f"`--kl-estimator {cfg.kl_estimator}`: TRL's KL term is the k3 estimate; the script uses k3.")
+    if cfg.reference_adapter:
+        out.append("`--reference-adapter`: TRL's reference for a PEFT model is the base with the adapter off; "
+                   "the script's KL is to the base.")
+    return out
 
 
 def trl_rewards(task, strict: bool = False, timeout: float | None = None) -> tuple[list[Callable], list[float]]:
@@ -120,6 +138,7 @@ def graduate(cfg: TrainConfig, out: Path, gpus: int = 1, backend: str = "zero2",
         raise ValueError("--gpus must be at least 1")
     if vllm_mode not in ("colocate", "server"):
         raise ValueError(f"--vllm-mode must be colocate or server, not {vllm_mode!r}")
+    from_adapter = from_adapter or cfg.init_adapter  # a run that began from an SFT warm-up's adapter
     if from_adapter and not (Path(from_adapter) / "adapter_config.json").exists():
         raise FileNotFoundError(f"--from-adapter {from_adapter}: no adapter_config.json there (a run's adapter "
                                 f"folder is runs/<run>/adapter)")
@@ -277,7 +296,8 @@ def script(cfg: TrainConfig, settings: dict, in_4bit: bool, full_finetune: bool,
 
 def readme(cfg: TrainConfig, settings: dict, gpus: int, backend: str, in_4bit: bool, full_finetune: bool) -> str:
     table = "\n".join(f"| {a} | {b} | {c} |" for a, b, c in mapping(cfg, settings, gpus, in_4bit, full_finetune))
-    return README.format(cfg=cfg, gpus=gpus, backend=backend, table=table)
+    missing = "".join(f"- {line}\n" for line in not_carried(cfg))
+    return README.format(cfg=cfg, gpus=gpus, backend=backend, table=table, missing=missing)
 
 
 def mapping(cfg: TrainConfig, settings: dict, gpus: int, in_4bit: bool, full_finetune: bool) -> list[tuple]:
@@ -300,6 +320,14 @@ def mapping(cfg: TrainConfig, settings: dict, gpus: int, in_4bit: bool, full_fin
              f"importance_sampling_level={settings['importance_sampling_level']!r}"),
             ("num_iterations, top_entropy_quantile, mask_truncated",
              f"{cfg.num_iterations}, {cfg.top_entropy_quantile:g}, {cfg.mask_truncated}", "same names"),
+            ("advantage, KL estimator", f"{cfg.advantage}, {cfg.kl_estimator}",
+             "group mean, k3 (GRPOTrainer's only ones: see below if they differ)"),
+            ("reward aggregation", cfg.reward_aggregation,
+             f"multi_objective_aggregation={settings['multi_objective_aggregation']!r}"),
+            ("entropy bonus", f"{cfg.entropy_coef:g}" + (f", adaptive to {cfg.entropy_target:g} nats"
+                                                          if cfg.entropy_target is not None else ""),
+             "entropy_coef" + (", use_adaptive_entropy, entropy_target" if cfg.entropy_target is not None else "")),
+            ("start adapter", cfg.init_adapter or "fresh", "`FROM_ADAPTER` (--from-adapter)"),
             ("TIS cap (vLLM vs trainer)", cfg.tis_cap, "vllm_importance_sampling_mode='token_truncate', _clip_max"),
             ("LoRA", "none: full fine-tuning" if full_finetune else f"r={cfg.lora_rank}, alpha={cfg.lora_alpha}, "
              "all linear projections", "`LORA` (peft LoraConfig)"),
@@ -346,7 +374,7 @@ The adapter lands in `trl-output/` (`--output-dir`); minigrpo reads it back: `mi
 
 ## What has no equivalent in TRL
 
-- `--filter-groups` (DAPO's dynamic sampling: groups without reward spread dropped and refilled) and
+{missing}- `--filter-groups` (DAPO's dynamic sampling: groups without reward spread dropped and refilled) and
   `--retire-solved` (the curriculum): no TRL option; groups without spread simply carry no gradient there.
 - The in-memory judge (`Judge` without an endpoint: the base model grading inside the trainer) cannot reach a
   model inside TRL; give the judge an `endpoint` (e.g. `vllm serve` of the base model) or use a `RewardModel`.

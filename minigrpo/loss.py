@@ -22,6 +22,8 @@ The named variants are settings of a few orthogonal knobs, not branches of their
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 TOKEN_PPO = dict(importance_sampling="token", surrogate="ppo", epsilon=0.2)
@@ -37,15 +39,34 @@ PRESETS = {
 }
 
 
-def advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
-    """Each reward minus its group's mean, divided by the group's std ("group"), the batch's ("batch"),
+def advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", estimator: str = "grpo",
+               eps: float = 1e-4) -> torch.Tensor:
+    """Each reward against its group's baseline, divided by the group's std ("group"), the batch's ("batch"),
     or nothing ("none"). A group whose rewards are all equal gets advantage 0: no gradient.
+
+    estimator "grpo":  r - mean of the group
+              "rloo":  r - mean of the group's other G - 1 rewards (leave-one-out, Ahmadian et al., 2024),
+                       which is G / (G - 1) x (r - mean)
+              "maxrl": (r - mean) / mean, the group's mean success rate (MaxRL, Tajwar et al., 2026): a prompt
+                       solved 1 time in 8 weighs 8 times one solved every other time; rewards are successes in
+                       [0, 1], a group with none gets 0, and `scale` does not apply (the mean is its divisor)
 
     >>> advantages(torch.tensor([1., 0., 0., 1., 2., 2.]), group_size=2, scale="none").tolist()
     [0.5, -0.5, -0.5, 0.5, 0.0, 0.0]
+    >>> advantages(torch.tensor([1., 0., 0., 0.]), group_size=4, scale="none", estimator="rloo").tolist()
+    [1.0, -0.3333333432674408, -0.3333333432674408, -0.3333333432674408]
+    >>> advantages(torch.tensor([1., 0., 0., 0., 1., 1., 1., 0.]), group_size=4, estimator="maxrl").tolist()
+    [3.0, -1.0, -1.0, -1.0, 0.3333333432674408, 0.3333333432674408, 0.3333333432674408, -1.0]
     """
     grouped = rewards.view(-1, group_size)  # [P, G]
-    centered = grouped - grouped.mean(dim=1, keepdim=True)  # [P, G]
+    mean = grouped.mean(dim=1, keepdim=True)  # [P, 1]
+    centered = grouped - mean  # [P, G]
+    if estimator == "rloo":
+        centered = centered * group_size / (group_size - 1)  # [P, G]
+    elif estimator == "maxrl":
+        return torch.where(mean > eps, centered / mean.clamp(min=eps), 0).view(-1)  # [B]
+    elif estimator != "grpo":
+        raise ValueError(f"estimator must be grpo, rloo or maxrl, not {estimator!r}")
     if scale == "group":
         centered = centered / (grouped.std(dim=1, keepdim=True) + eps)  # [P, G]
     elif scale == "batch":
@@ -53,6 +74,28 @@ def advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps
     elif scale != "none":
         raise ValueError(f"scale must be group, batch or none, not {scale!r}")
     return centered.view(-1)  # [B]
+
+
+def combined_rewards(values: torch.Tensor, weights: torch.Tensor, group_size: int, how: str = "sum",
+                     eps: float = 1e-4) -> torch.Tensor:
+    """One reward per completion from K reward functions' values [K, B]: their weighted sum ("sum"), or
+    ("normalize_then_sum", GDPO, Liu et al., 2026) each function's values normalised within each group first,
+    so a function with a wide range does not drown one with a narrow range. The advantage is then formed from
+    the result as usual.
+
+    >>> v = torch.tensor([[10., 0., 10., 0.], [0., 1., 1., 0.]])  # a 0/10 reward and a 0/1 reward, G = 4
+    >>> combined_rewards(v, torch.tensor([1., 1.]), 4).tolist()
+    [10.0, 1.0, 11.0, 0.0]
+    >>> [round(x, 3) + 0.0 for x in combined_rewards(v, torch.tensor([1., 1.]), 4, "normalize_then_sum").tolist()]
+    [0.0, 0.0, 1.732, -1.732]
+    """
+    if how == "sum":
+        return (weights[:, None] * values).sum(dim=0)  # [B]
+    if how != "normalize_then_sum":
+        raise ValueError(f"reward aggregation must be sum or normalize_then_sum, not {how!r}")
+    grouped = values.view(values.shape[0], -1, group_size)  # [K, P, G]
+    normal = (grouped - grouped.mean(dim=2, keepdim=True)) / (grouped.std(dim=2, keepdim=True) + eps)  # [K, P, G]
+    return (weights[:, None, None] * normal).sum(dim=0).view(-1)  # [B]
 
 
 def groups_with_spread(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -66,11 +109,14 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.T
                 epsilon_high: float | None = None, beta: float = 0.0, aggregation: str = "sequence",
                 max_tokens: int | None = None, sampler_logps: torch.Tensor | None = None,
                 tis_cap: float = 0.0, importance_sampling: str = "token", surrogate: str = "ppo",
-                selected: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """The clipped surrogate plus beta x the k3 estimate of KL(policy || reference), over `mask`ed tokens.
+                selected: torch.Tensor | None = None, kl_estimator: str = "k3", entropy: torch.Tensor | None = None,
+                entropy_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """The clipped surrogate plus beta x an estimate of KL(policy || reference), over `mask`ed tokens, minus
+    entropy_coef x the mean entropy of the trained tokens.
 
-    per token:  -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A) + beta * k3
-    with        ratio = exp(logps - old_logps),  k3 = exp(ref - logps) - (ref - logps) - 1
+    per token:  -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A) + beta * kl
+    with        ratio = exp(logps - old_logps), and with d = ref - logps the KL estimators (Schulman, 2020):
+                k1 = -d,  k2 = d^2 / 2,  k3 = exp(d) - d - 1 (unbiased and never negative: the default)
 
     importance_sampling "sequence" (GSPO): every token of a completion shares one ratio, the exponential of
     the mean of its tokens' log-ratios, so a completion is clipped as a whole.
@@ -111,19 +157,72 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.T
     if selected is not None:
         per_token = torch.where(selected.bool(), per_token, 0)  # [B, T]
     if beta > 0 and ref_logps is not None:
-        log_ref_ratio = ref_logps - logps  # [B, T]
-        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # [B, T]
+        kl = kl_estimate(ref_logps - logps, kl_estimator)  # [B, T]
         per_token = per_token + beta * kl  # [B, T]
     else:
         kl = torch.zeros_like(logps)  # [B, T]
 
     loss = aggregate(per_token, mask, aggregation, max_tokens)
+    if entropy_coef and entropy is not None:  # a bonus on the trained tokens' mean entropy, whatever the aggregation
+        trained = mask if selected is None else selected.bool() & mask  # [B, T]
+        loss = loss - entropy_coef * torch.where(trained, entropy, 0).sum() / trained.sum().clamp(min=1)
     metrics = {
         "clip_frac": masked_mean(is_clipped.float(), mask),
         "kl": masked_mean(kl.detach(), mask),
         "ratio/mean": masked_mean(ratio.detach(), mask),
     }
     return loss, metrics
+
+
+def kl_estimate(log_ref_ratio: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimates of KL(policy || reference) from d = log p_ref - log p of the sampled tokens.
+
+    >>> [round(kl_estimate(torch.tensor([0.5]), k).item(), 4) for k in ("k1", "k2", "k3")]
+    [-0.5, 0.125, 0.1487]
+    """
+    if estimator == "k1":
+        return -log_ref_ratio
+    if estimator == "k2":
+        return log_ref_ratio.pow(2) / 2
+    if estimator == "k3":
+        return torch.exp(log_ref_ratio) - log_ref_ratio - 1
+    raise ValueError(f"kl_estimator must be k1, k2 or k3, not {estimator!r}")
+
+
+@dataclass
+class EntropyControl:
+    """The entropy bonus's coefficient, held fixed or, with a `target`, adapted each step as TRL's adaptive
+    entropy does (Skywork-OR1): raised by `delta` while the trained tokens' mean entropy is at or below the
+    target, lowered otherwise, within [0, 1]; the bonus applies only at or below the target.
+
+    >>> control = EntropyControl(coef=0.01, target=0.5)
+    >>> control.applied(), control.step(0.4), control.applied(), round(control.step(0.9), 6), control.applied()
+    (0.01, 0.015, 0.015, 0.01, 0.0)
+    """
+    coef: float = 0.0
+    target: float | None = None
+    delta: float = 0.005
+    last_entropy: float | None = None
+
+    def applied(self) -> float:
+        """The coefficient this step's loss uses."""
+        if self.target is None or self.last_entropy is None or self.last_entropy <= self.target:
+            return self.coef
+        return 0.0
+
+    def step(self, entropy: float) -> float:
+        """After an optimizer step with this mean entropy: the coefficient for the next."""
+        self.last_entropy = entropy
+        if self.target is not None:
+            change = self.delta if entropy <= self.target else -self.delta
+            self.coef = min(max(self.coef + change, 0.0), 1.0)
+        return self.coef
+
+    def state_dict(self) -> dict:
+        return {"coef": self.coef, "last_entropy": self.last_entropy}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.coef, self.last_entropy = state["coef"], state["last_entropy"]
 
 
 def high_entropy(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:

@@ -1,11 +1,13 @@
 """The policy: a 4-bit (or 16-bit) base with LoRA adapters, and memory-lean per-token log-probs.
 
-The reference model is the same object with its adapters disabled (`with model.disable_adapter():`),
-so a run holds one copy of the base, never two.
+The reference model is the same object with its adapters disabled (`with model.disable_adapter():`), or
+with `--reference-adapter`, holding that adapter's weights for the reference pass (`adapter_swapped`), so a
+run holds one copy of the base, never two.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import random
@@ -146,7 +148,54 @@ def load_policy(cfg: TrainConfig, weights: str, dtype: torch.dtype | None = None
     with warnings.catch_warnings():
         # PEFT reads the old property name, which newer transformers deprecate: nothing for a user to act on
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        return get_peft_model(base, lora)
+        policy = get_peft_model(base, lora)
+    if cfg.reference_adapter:  # its weights kept beside the policy's, swapped in for the reference pass
+        own = {name: p.detach().clone() for name, p in lora_named_parameters(policy)}
+        load_adapter_weights(policy, cfg.reference_adapter, "--reference-adapter")
+        policy.reference_weights = {name: p.detach().clone() for name, p in lora_named_parameters(policy)}
+        with torch.no_grad():
+            for name, p in lora_named_parameters(policy):
+                p.copy_(own[name])
+    if cfg.init_adapter:
+        load_adapter_weights(policy, cfg.init_adapter, "--init-adapter")
+    return policy
+
+
+def load_adapter_weights(model, folder: str | Path, flag: str) -> None:
+    """The policy's adapter set to the weights of an adapter folder of the same shape (an SFT warm-up's, a
+    reference), or an error naming what differs."""
+    from peft import set_peft_model_state_dict
+    from peft.utils import load_peft_weights
+
+    try:
+        result = set_peft_model_state_dict(model, load_peft_weights(str(folder), device=str(model.device)))
+    except RuntimeError as error:  # a size mismatch: another rank or model
+        raise ValueError(f"{flag} {folder} does not fit this model's adapter: {str(error).splitlines()[-1].strip()}"
+                         ) from None
+    missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
+    if getattr(result, "unexpected_keys", None) or missing:
+        raise ValueError(f"{flag} {folder} adapts other layers than this run's adapter (e.g. "
+                         f"{(result.unexpected_keys or missing)[0]}): make it with the same model and settings")
+
+
+@contextlib.contextmanager
+def adapter_swapped(model, weights: dict[str, torch.Tensor]):
+    """Inside, the policy's adapter holds `weights` (another adapter of its shape, e.g. the KL's reference);
+    its own weights are back after."""
+    params = dict(lora_named_parameters(model))
+    own = {name: p.detach().clone() for name, p in params.items()}
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(weights[name])
+        try:
+            yield model
+        finally:
+            for name, p in params.items():
+                p.copy_(own[name])
+
+
+def lora_named_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if "lora_" in n and ".default." in n]
 
 
 def _has_module(model, suffix: str) -> bool:
@@ -158,9 +207,11 @@ def lora_parameters(model) -> list[torch.nn.Parameter]:
 
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
-                   temperature: float = 1.0, chunk_size: int = 512, with_entropy: bool = False):
+                   temperature: float = 1.0, chunk_size: int = 512, with_entropy: bool = False,
+                   entropy_grad: bool = False):
     """Log-probs of the last `n_completion` tokens of each row, under `model`, at `temperature`
-    (and, with `with_entropy`, the policy's entropy at each of those positions, detached).
+    (and, with `with_entropy`, the policy's entropy at each of those positions: detached, unless
+    `entropy_grad`, for a loss with an entropy bonus).
 
     The full-vocabulary logits are never held for the whole batch: the completion positions of all rows
     go through the lm head `chunk_size` tokens at a time, and each chunk is checkpointed, so backward
@@ -178,7 +229,8 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     for start in range(0, B * n_completion, chunk_size):
         h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]  # [c, H], [c]
         if torch.is_grad_enabled():
-            logp, entropy = checkpoint(_chunk_logprobs, head, h, t, temperature, with_entropy, use_reentrant=False)
+            logp, entropy = checkpoint(_chunk_logprobs, head, h, t, temperature, with_entropy, entropy_grad,
+                                       use_reentrant=False)
         else:
             logp, entropy = _chunk_logprobs(head, h, t, temperature, with_entropy)
         logps.append(logp)
@@ -208,13 +260,14 @@ def positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
 
 
-def _chunk_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool):
+def _chunk_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool,
+                    entropy_grad: bool = False):
     logits = head(hidden).float() / temperature  # [c, V]
     normalizer = torch.logsumexp(logits, dim=-1)  # [c]
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normalizer  # [c]
     entropy = torch.zeros_like(logp)  # [c]
     if with_entropy:
-        with torch.no_grad():
+        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
             probs = torch.softmax(logits, dim=-1)  # [c, V]
             entropy = normalizer - (probs * logits).sum(-1)  # [c]: H = logsumexp - E_p[logit]
     return logp, entropy

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -29,7 +30,8 @@ class RunFolder:
         writable. (A folder with anything in it is someone's: nothing is written there.)"""
         if cfg.output_dir is None:
             name = Path(cfg.model.rstrip("/")).name
-            task = Path(cfg.task).stem if cfg.task.endswith((".py", *DATA_SUFFIXES)) else cfg.task.replace("/", "-")
+            task = Path(cfg.task).stem if cfg.task.endswith((".py", *DATA_SUFFIXES)) else \
+                re.sub(r"[^A-Za-z0-9_.-]+", "-", cfg.task).strip("-")  # rg:..., openenv:http://...
             cfg.output_dir = str(Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}-{task}")
         path = Path(cfg.output_dir)
         if (path / "config.json").exists():

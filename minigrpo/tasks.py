@@ -230,8 +230,9 @@ def read_rows(path: Path) -> list[dict]:
     return read_rows_and_places(path)[0]
 
 
-def read_rows_and_places(path: Path) -> tuple[list[dict], list[str]]:
-    """The rows, and where each is in the file ("line 7" of a .jsonl, "row 7" otherwise), for messages."""
+def read_rows_and_places(path: Path, prompts: bool = True) -> tuple[list[dict], list[str]]:
+    """The rows, and where each is in the file ("line 7" of a .jsonl, "row 7" otherwise), for messages; each
+    checked for a usable `prompt` unless not `prompts` (data of another shape: SFT's `messages`)."""
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{path} is a folder; --task takes a data file ({', '.join(DATA_SUFFIXES)})")
@@ -264,7 +265,10 @@ def read_rows_and_places(path: Path) -> tuple[list[dict], list[str]]:
         raise ValueError(f"{path}: unknown data format; use one of {', '.join(DATA_SUFFIXES)}")
     if path.suffix != ".jsonl":
         places = [f"row {i}" for i in range(1, len(rows) + 1)] if isinstance(rows, list) else []
-    check_rows(rows, str(path), places)
+    if prompts:
+        check_rows(rows, str(path), places)
+    elif not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+        raise ValueError(f"{path}: expected a list of objects, one per example")
     return rows, places
 
 

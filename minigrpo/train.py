@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minigrpo import checkpoint, judge
+from minigrpo import checkpoint, fork, judge
 from minigrpo import loss as L
 from minigrpo.check import precheck_rewards
 from minigrpo.config import PRESETS, TrainConfig
@@ -70,6 +70,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
     loaded = load_for_training(cfg, display.print, task)
     if not resume:
         run.start(cfg)  # written only now that the run can start
+        if cfg.forked_from:
+            fork.seed_folder(run.path, cfg.forked_from)
     model, tokenizer, generator = loaded.model, loaded.tokenizer, loaded.generator
     judge.attach(judge.base_generate(generator, tokenizer), run.path)  # judge rewards grade with the base model
     try:
@@ -92,10 +94,13 @@ def _train(cfg, resume, task, weights, train_rows, run, display, model, tokenize
         evaluate = Evaluator(cfg, task, weights, tokenizer, generator, run.path)
     full = bool(cfg.eval_every)  # sampled as well as greedy; the before/after alone is greedy
     loaded_gb = memory_in_use_gb()  # the model, the engine and the data: what a step's peak stands on
-    done = 0
+    entropy = L.EntropyControl(cfg.entropy_coef, cfg.entropy_target)
+    done, resume = 0, resume or bool(cfg.forked_from)  # a fork resumes from its parent's checkpoint
     if resume and checkpoint.candidates(run.path):
         found, done = checkpoint.load_newest(run.path, model, optimizer, scheduler, prompts, generator, scaler,
-                                             display.print)
+                                             display.print, extra={"entropy": entropy})
+        if cfg.forked_from:
+            fork.apply_changes(cfg, optimizer, scheduler)
         display.print(f"resumed from {found} (step {done})")
     elif resume:  # it stopped before its first checkpoint
         display.print(f"{run.path} has no checkpoint yet: starting it from step 0")
@@ -108,7 +113,8 @@ def _train(cfg, resume, task, weights, train_rows, run, display, model, tokenize
 
     def save(at: int) -> Path:
         progress(step=at, stage="saving a checkpoint")
-        return checkpoint.save(run.path, at, model, optimizer, scheduler, prompts, generator, cfg.keep, scaler)
+        return checkpoint.save(run.path, at, model, optimizer, scheduler, prompts, generator, cfg.keep, scaler,
+                               extra={"entropy": entropy})
 
     stop = StopRequest()
     step, bad_in_a_row = done, 0
@@ -118,7 +124,7 @@ def _train(cfg, resume, task, weights, train_rows, run, display, model, tokenize
                 display.stage(step)
                 try:
                     metrics, samples = train_step(cfg, step, model, tokenizer, generator, optimizer, scheduler,
-                                                  task, weights, prompts, scaler)
+                                                  task, weights, prompts, scaler, entropy)
                 except Exception as error:
                     if not is_out_of_memory(error):
                         raise
@@ -226,7 +232,8 @@ def out_of_memory_advice(cfg: TrainConfig) -> str:
 
 
 def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generator, optimizer, scheduler,
-               task: Task, weights: list[float], prompts: PromptPool, scaler) -> tuple[dict, list[dict]]:
+               task: Task, weights: list[float], prompts: PromptPool, scaler,
+               entropy: L.EntropyControl | None = None) -> tuple[dict, list[dict]]:
     """One GRPO step, in its stages; returns the step's metrics and its samples."""
     clock = {"start": time.perf_counter()}
 
@@ -241,14 +248,17 @@ def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generat
 
     # 2. advantages within each group
     rewards = torch.tensor(batch.scores.totals)  # [B]
-    advantages = L.advantages(rewards, cfg.num_generations, cfg.scale_rewards)  # [B]
+    advantages = step_advantages(cfg, batch, weights)  # [B]
 
     # 3. policy update: (reference log-probs,) clipped loss, backward, optimizer, micro-batch by micro-batch
     progress(step=step, stage="update")
     model.train()
     mb = micro_batches(cfg, batch, tokenizer.pad_token_id, model.device)
-    update = policy_update(cfg, model, mb, advantages, optimizer, scaler)
-    lr = scheduler.get_last_lr()[0]
+    entropy = entropy or L.EntropyControl(cfg.entropy_coef, cfg.entropy_target)
+    update = policy_update(cfg, model, mb, advantages, optimizer, scaler, entropy.applied())
+    update.totals["entropy_coef"] = entropy.applied()
+    entropy.step(update.totals["entropy"])
+    lr = optimizer.param_groups[0]["lr"]  # the rate this step used (a fork sets its own)
     scheduler.step()
     clock["update"] = time.perf_counter()
 
@@ -260,6 +270,19 @@ def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generat
     # 5. metrics and samples
     metrics = step_metrics(step, batch, info, rewards, mb, update, lr, clock, scaler, prompts)
     return metrics, samples_of(step, batch, rewards, advantages, cfg.num_generations)
+
+
+def step_advantages(cfg: TrainConfig, batch, weights: list[float]) -> torch.Tensor:
+    """Each completion's advantage [B], from the weighted total reward (or, with GDPO's aggregation, the
+    rewards normalised one by one within their groups, then weighted and summed) by the chosen estimator."""
+    if cfg.reward_aggregation == "sum":
+        signal = torch.tensor(batch.scores.totals, dtype=torch.float)  # [B]
+    else:
+        values = torch.tensor([[v or 0.0 for v in vs] for vs in batch.scores.values.values()],
+                              dtype=torch.float)  # [K, B]
+        signal = L.combined_rewards(values, torch.tensor(weights, dtype=torch.float), cfg.num_generations,
+                                    cfg.reward_aggregation)  # [B]
+    return L.advantages(signal, cfg.num_generations, cfg.scale_rewards, cfg.advantage)  # [B]
 
 
 def step_metrics(step: int, batch, info: dict, rewards, mb: MicroBatches, update: Update, lr: float,

@@ -13,7 +13,7 @@ import torch
 
 from minigrpo import loss as L
 from minigrpo.config import TrainConfig
-from minigrpo.model import pad_batch, token_logprobs
+from minigrpo.model import adapter_swapped, pad_batch, token_logprobs
 from minigrpo.rollout import Groups
 
 
@@ -44,7 +44,8 @@ def micro_batches(cfg: TrainConfig, batch: Groups, pad_id: int, device) -> Micro
 
 
 def fixed_logps(cfg: TrainConfig, model, mb: MicroBatches, reference: bool) -> list[torch.Tensor]:
-    """Per micro-batch [b, n], without gradients: the current policy's, or the reference's (adapters off)."""
+    """Per micro-batch [b, n], without gradients: the current policy's, or the reference's (adapters off, or
+    the --reference-adapter's weights in their place)."""
     def all_logps():
         return [token_logprobs(model, ids, att, m.shape[1], cfg.temperature, cfg.logprob_chunk_size)
                 for ids, att, m in mb.inputs]
@@ -52,6 +53,9 @@ def fixed_logps(cfg: TrainConfig, model, mb: MicroBatches, reference: bool) -> l
     with torch.no_grad():
         if not reference:
             return all_logps()
+        if getattr(model, "reference_weights", None) is not None:
+            with adapter_swapped(model, model.reference_weights):
+                return all_logps()
         with model.disable_adapter():
             return all_logps()
 
@@ -69,8 +73,9 @@ class Update:
 
 
 def policy_update(cfg: TrainConfig, model, mb: MicroBatches, advantages: torch.Tensor, optimizer,
-                  scaler) -> Update:
-    """num_iterations passes over the micro-batches, one optimizer step each."""
+                  scaler, entropy_coef: float = 0.0) -> Update:
+    """num_iterations passes over the micro-batches, one optimizer step each; `entropy_coef` the bonus on the
+    trained tokens' entropy this step (`loss.EntropyControl`)."""
     n_chunks = len(mb.chunks)
     # the sampling-time policy, kept fixed across the passes (one pass: it is the current one)
     old_logps = fixed_logps(cfg, model, mb, reference=False) if cfg.num_iterations > 1 else [None] * n_chunks
@@ -85,7 +90,7 @@ def policy_update(cfg: TrainConfig, model, mb: MicroBatches, advantages: torch.T
         for c, (ids, attention, _), mask, old, ref in zip(mb.chunks, mb.inputs, mb.masks, old_logps, ref_logps):
             n = mask.shape[1]
             logps, entropy = token_logprobs(model, ids, attention, n, cfg.temperature, cfg.logprob_chunk_size,
-                                            with_entropy=True)  # [b, n], [b, n]
+                                            with_entropy=True, entropy_grad=entropy_coef > 0)  # [b, n], [b, n]
             old = logps.detach() if old is None else old
             sampler = mb.sampler[c, :n].to(logps.device) if mb.sampler is not None else None  # [b, n]
             selected = L.high_entropy(entropy, mask, cfg.top_entropy_quantile) if cfg.top_entropy_quantile < 1 \
@@ -94,13 +99,14 @@ def policy_update(cfg: TrainConfig, model, mb: MicroBatches, advantages: torch.T
                                     epsilon_high=cfg.epsilon_high, beta=cfg.beta, aggregation=cfg.loss_aggregation,
                                     max_tokens=cfg.completion_tokens, sampler_logps=sampler, tis_cap=cfg.tis_cap,
                                     importance_sampling=cfg.importance_sampling, surrogate=cfg.surrogate,
-                                    selected=selected)
+                                    selected=selected, kl_estimator=cfg.kl_estimator, entropy=entropy,
+                                    entropy_coef=entropy_coef)
             weight = L.microbatch_weight(mask, mb.full_mask, cfg.loss_aggregation)
             scaler.scale(loss * weight).backward()
             pass_loss += loss.item() * weight
             if last:  # report the last pass
                 share = mask.sum().item() / all_tokens
-                update.totals["entropy"] += L.masked_mean(entropy, mask) * share
+                update.totals["entropy"] += L.masked_mean(entropy.detach(), mask) * share
                 for key in ("kl", "clip_frac", "ratio/mean"):
                     update.totals[key] += m[key] * share
             if sampler is not None and iteration == 0:

@@ -1,0 +1,107 @@
+"""A supervised warm-up before GRPO: the same 4-bit (or 16-bit) base with LoRA adapters, trained on the
+completion tokens of worked examples, written as an adapter that `minigrpo train --init-adapter` starts from
+(and `--reference-adapter` may take as the KL's reference).
+
+    minigrpo sft --task warmup.jsonl --out warmup          # then: minigrpo train --init-adapter warmup/adapter
+
+Each row is {"prompt": ..., "completion": ...} (text, or chat messages), or {"messages": [...]} whose last
+message is the assistant's answer and the rest its prompt. The prompt goes through the chat template as
+training renders it; the loss is the mean negative log-likelihood of the completion's tokens (and its end of
+turn), nothing of the prompt. A short loop of our own: it reuses the policy loader and the chunked log-probs
+of the GRPO step, so the model in memory is the one `train` builds, and nothing else is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from minigrpo.config import TrainConfig
+
+
+@dataclass
+class Example:
+    prompt: str | list[dict]
+    completion: str
+
+
+def read_examples(path: Path) -> list[Example]:
+    """The data file's examples, or an error that names the line and what it lacks."""
+    from minigrpo.tasks import prompt_problem, read_rows_and_places
+
+    rows, places = read_rows_and_places(path, prompts=False)
+    out = []
+    for row, place in zip(rows, places):
+        if "messages" in row and isinstance(row["messages"], list) and row["messages"]:
+            *before, last = row["messages"]
+            if last.get("role") != "assistant" or not before:
+                raise ValueError(f"{place}: the last of `messages` must be the assistant's answer, after a prompt")
+            out.append(Example(before, str(last.get("content", ""))))
+        elif "prompt" in row and "completion" in row and not prompt_problem(row["prompt"]):
+            completion = row["completion"]
+            if isinstance(completion, list):  # chat-format completion: the assistant's turn
+                completion = completion[-1].get("content", "")
+            out.append(Example(row["prompt"], str(completion)))
+        else:
+            raise ValueError(f"{place}: an SFT row has `prompt` and `completion`, or `messages` (it has "
+                             f"{sorted(row)})")
+    if not out:
+        raise ValueError(f"{path} has no examples")
+    return out
+
+
+def token_rows(tokenizer, examples: list[Example]) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, completion ids) per example; the completion ends as the model ends a turn."""
+    from minigrpo.rollout import render_prompt
+
+    end = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return [(tokenizer(render_prompt(tokenizer, e.prompt), add_special_tokens=False).input_ids,
+             tokenizer(e.completion, add_special_tokens=False).input_ids + end) for e in examples]
+
+
+def sft(cfg: TrainConfig, data: Path, out: Path, epochs: int = 3, say=print) -> Path:
+    """Train the adapter on `data` for `epochs` passes; write it to out/adapter and the record to out/sft.json."""
+    from minigrpo.model import default_dtype, lora_parameters, pad_batch, seed_everything, token_logprobs
+    from minigrpo.run import usable_or_fail
+    from minigrpo.startup import load_for_training
+
+    examples = read_examples(Path(data))
+    usable_or_fail(Path(out), "--out", may_hold_results=False)
+    seed_everything(cfg.seed)
+    cfg.generator = "hf"  # nothing is generated: no engine is started
+    loaded = load_for_training(cfg, say)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    rows = token_rows(tokenizer, examples)
+    longest = max(len(p) + len(c) for p, c in rows)
+    if longest > cfg.max_prompt_tokens + cfg.max_new_tokens:
+        say(f"[yellow]note[/]: the longest example is {longest} tokens")
+    optimizer = torch.optim.AdamW(lora_parameters(model), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    order, losses, started = list(range(len(rows))), [], time.perf_counter()
+    model.train()
+    for epoch in range(1, epochs + 1):
+        random.Random(cfg.seed + epoch).shuffle(order)
+        total, tokens = 0.0, 0
+        for start in range(0, len(order), cfg.micro_batch_size):
+            batch = [rows[i] for i in order[start:start + cfg.micro_batch_size]]
+            ids, attention, mask = pad_batch(batch, tokenizer.pad_token_id, model.device)
+            logps = token_logprobs(model, ids, attention, mask.shape[1], 1.0, cfg.logprob_chunk_size)  # [b, n]
+            loss = -torch.where(mask, logps, 0).sum() / mask.sum()  # mean NLL of the completion tokens
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(lora_parameters(model), cfg.max_grad_norm or float("inf"))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            total, tokens = total + loss.item() * mask.sum().item(), tokens + mask.sum().item()
+        losses.append(total / max(tokens, 1))
+        say(f"epoch {epoch}/{epochs}: completion loss {losses[-1]:.3f} (mean NLL per token)")
+    Path(out).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(Path(out) / "adapter")
+    record = {"model": cfg.model, "data": str(data), "examples": len(rows), "epochs": epochs,
+              "learning_rate": cfg.learning_rate, "lora_rank": cfg.lora_rank, "losses": losses,
+              "seconds": round(time.perf_counter() - started, 1), "dtype": str(default_dtype(cfg.dtype))}
+    (Path(out) / "sft.json").write_text(json.dumps(record, indent=2) + "\n")
+    return Path(out) / "adapter"

@@ -1,0 +1,161 @@
+"""The knobs from the papers: advantage estimators, GDPO's per-reward normalisation, the entropy bonus (fixed and
+adaptive), the KL estimator and reference adapter, the SFT warm-up and forking a run. Each test fails when its knob
+is ignored; the end-to-end ones run the real offline model."""
+
+import hashlib
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from minigrpo import loss as L
+from minigrpo.cli import app
+from minigrpo.config import TrainConfig
+from minigrpo.graduate import not_carried, trl_settings
+from minigrpo.scoring import Scores
+from minigrpo.train import step_advantages
+
+TINY = ["--steps", "1", "-G", "2", "--prompts-per-step", "2", "--max-new-tokens", "8", "--eval-prompts", "2",
+        "--no-eval-before-after"]
+
+
+def batch_of(values: dict[str, list[float]], weights: list[float]):
+    totals = [sum(w * v for w, v in zip(weights, column)) for column in zip(*values.values())]
+    return SimpleNamespace(scores=Scores(totals=totals, values=values))
+
+
+def test_the_advantage_estimator_is_the_one_configured():
+    batch = batch_of({"correct": [1, 0, 0, 0, 1, 1, 1, 0]}, [1.0])
+    grpo = step_advantages(TrainConfig(num_generations=4, scale_rewards="none"), batch, [1.0])
+    rloo = step_advantages(TrainConfig(num_generations=4, scale_rewards="none", advantage="rloo"), batch, [1.0])
+    maxrl = step_advantages(TrainConfig(num_generations=4, advantage="maxrl"), batch, [1.0])
+    assert grpo.tolist() == [0.75, -0.25, -0.25, -0.25, 0.25, 0.25, 0.25, -0.75]
+    assert torch.allclose(rloo, grpo * 4 / 3)
+    # the hard prompt (1 of 4 solved) gets three times the easy one's (3 of 4) credit for a success
+    assert torch.allclose(maxrl, torch.tensor([3., -1, -1, -1, 1 / 3, 1 / 3, 1 / 3, -1]))
+
+
+def test_maxrl_takes_no_other_scale():
+    with pytest.raises(ValueError, match="maxrl divides by the group's mean success"):
+        TrainConfig(advantage="maxrl", scale_rewards="group")
+    assert TrainConfig(advantage="maxrl").scale_rewards == "none"
+
+
+def test_normalize_then_sum_keeps_a_narrow_reward_from_being_drowned():
+    values = {"score": [10, 0, 10, 0], "brief": [0, 1, 1, 0]}  # a 0/10 reward and a 0/1 reward, one group
+    summed = step_advantages(TrainConfig(num_generations=4, scale_rewards="none"), batch_of(values, [1, 1]), [1, 1])
+    gdpo = step_advantages(TrainConfig(num_generations=4, scale_rewards="none", reward_aggregation="normalize_then_sum"),
+                           batch_of(values, [1, 1]), [1, 1])
+    # summed, "brief" moves the second completion only from -5.5 to -4.5; normalised first, it counts as much
+    assert summed.tolist() == [4.5, -4.5, 5.5, -5.5]
+    assert gdpo[0].item() == pytest.approx(0.0, abs=1e-3) and gdpo[2].item() == pytest.approx(1.732, abs=1e-3)
+
+
+def test_the_kl_estimators_and_the_entropy_bonus_change_the_loss():
+    torch.manual_seed(0)
+    logps = torch.randn(2, 3, requires_grad=True)
+    ref, adv, mask = torch.randn(2, 3), torch.tensor([1.0, -1.0]), torch.ones(2, 3, dtype=torch.bool)
+    kls = {k: L.policy_loss(logps, logps.detach(), ref, adv, mask, beta=0.1, kl_estimator=k)[1]["kl"]
+           for k in ("k1", "k2", "k3")}
+    assert len(set(kls.values())) == 3 and kls["k2"] >= 0 and kls["k3"] >= 0
+    entropy = torch.rand(2, 3, requires_grad=True)
+    plain, _ = L.policy_loss(logps, logps.detach(), None, adv, mask)
+    bonus, _ = L.policy_loss(logps, logps.detach(), None, adv, mask, entropy=entropy, entropy_coef=0.5)
+    assert bonus.item() == pytest.approx(plain.item() - 0.5 * entropy.mean().item(), abs=1e-6)
+    bonus.backward()
+    assert entropy.grad is not None and torch.all(entropy.grad < 0)  # more entropy, lower loss
+
+
+def test_every_knob_is_refused_with_its_fix_when_out_of_range(tmp_path):
+    for flags, says in [(["--advantage", "ppo"], "advantage must be grpo, rloo or maxrl"),
+                        (["--kl-estimator", "k4"], "kl_estimator must be k1, k2 or k3"),
+                        (["--reward-aggregation", "max"], "reward_aggregation must be sum or normalize_then_sum"),
+                        (["--entropy-coef", "-1"], "entropy_coef must be >= 0"),
+                        (["--reference-adapter", str(tmp_path)], "reference_adapter is the KL's reference: it needs"),
+                        (["--init-adapter", str(tmp_path)], "is not an adapter folder")]:
+        result = CliRunner().invoke(app, ["train", *flags, "--output-dir", str(tmp_path / "run")])
+        assert result.exit_code != 0 and says in " ".join(result.output.split()), result.output
+
+
+def read_metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def warmup(tmp_path_factory) -> Path:
+    """An SFT warm-up's adapter on one-digit sums, from the command line."""
+    folder = tmp_path_factory.mktemp("sft")
+    rows = [{"prompt": f"What is {a} + {b}?", "completion": f"{a + b}"} for a in range(4) for b in range(4)]
+    (folder / "warmup.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = CliRunner().invoke(app, ["sft", "--task", str(folder / "warmup.jsonl"), "--out", str(folder / "out"),
+                                      "--epochs", "2", "--learning-rate", "1e-3"])
+    assert result.exit_code == 0, result.output
+    record = json.loads((folder / "out" / "sft.json").read_text())
+    assert record["examples"] == 16 and record["losses"][1] < record["losses"][0]  # it learned the completions
+    return folder / "out" / "adapter"
+
+
+def test_sft_refuses_rows_it_cannot_learn_from(tmp_path):
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"question": "x"}) + "\n")
+    result = CliRunner().invoke(app, ["sft", "--task", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 1 and "an SFT row has `prompt` and `completion`" in " ".join(result.output.split())
+
+
+def test_init_adapter_starts_from_the_warmup_and_reference_adapter_is_the_kls_reference(warmup, tmp_path):
+    runs = {}
+    for name, flags in [("base_k3", []), ("base_k1", ["--kl-estimator", "k1"]),
+                        ("own_reference", ["--reference-adapter", str(warmup)])]:
+        result = CliRunner().invoke(app, ["train", *TINY, "--init-adapter", str(warmup), "--beta", "0.1", *flags,
+                                          "--output-dir", str(tmp_path / name)])
+        assert result.exit_code == 0, result.output
+        runs[name] = read_metrics(tmp_path / name)[0]["kl"]
+    # started from the warm-up, the policy is not the base: a KL to the base; none to its own starting point
+    assert runs["base_k3"] > 1e-4 and runs["own_reference"] == pytest.approx(0.0, abs=1e-6)
+    assert runs["base_k1"] != pytest.approx(runs["base_k3"], rel=1e-3)
+
+
+def test_the_adaptive_entropy_coefficient_moves_and_survives_a_resume(tmp_path):
+    run = tmp_path / "run"
+    flags = [*TINY[2:], "--entropy-coef", "0.01", "--entropy-target", "100", "--save-every", "1"]
+    first = CliRunner().invoke(app, ["train", "--steps", "2", *flags, "--output-dir", str(run)])
+    assert first.exit_code == 0, first.output
+    again = CliRunner().invoke(app, ["train", "--resume", str(run), "--steps", "3"])
+    assert again.exit_code == 0, again.output
+    # below the target every step, the coefficient rises by 0.005 a step, across the resume
+    assert [round(m["entropy_coef"], 6) for m in read_metrics(run)] == [0.01, 0.015, 0.02]
+
+
+def test_a_fork_starts_from_the_parents_checkpoint_with_its_changes(tmp_path):
+    parent = tmp_path / "parent"
+    trained = CliRunner().invoke(app, ["train", "--steps", "2", *TINY[2:], "--save-every", "1", "--output-dir",
+                                       str(parent)])
+    assert trained.exit_code == 0, trained.output
+    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in parent.rglob("*") if p.is_file()}
+    child = tmp_path / "child"
+    forked = CliRunner().invoke(app, ["train", "--fork", f"{parent}@1", "--learning-rate", "1e-3", "--steps", "3",
+                                      "--output-dir", str(child)])
+    assert forked.exit_code == 0, forked.output
+    assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in parent.rglob("*") if p.is_file()} == before
+    config = json.loads((child / "config.json").read_text())
+    assert config["forked_from"] == f"{parent}@1" and config["learning_rate"] == 1e-3
+    metrics = read_metrics(child)
+    assert [m["step"] for m in metrics] == [1, 2, 3] and metrics[0] == read_metrics(parent)[0]  # its history to 1
+    assert [m["lr"] for m in metrics[1:]] == [1e-3, 1e-3]
+    for flags, says in [([f"{parent}@7"], "kept no checkpoint at step 7; it kept 1, 2"),
+                        ([f"{parent}@1", "--model", "smollm2-360m"], "a fork keeps it")]:
+        result = CliRunner().invoke(app, ["train", "--fork", *flags, "--output-dir", str(tmp_path / "x")])
+        assert result.exit_code != 0 and says in " ".join(result.output.split()), result.output
+
+
+def test_graduate_carries_what_trl_has_and_lists_what_it_has_not():
+    cfg = TrainConfig(advantage="rloo", kl_estimator="k2", reward_aggregation="normalize_then_sum",
+                      entropy_coef=0.01, entropy_target=0.3)
+    settings = trl_settings(cfg, 1)
+    assert settings["multi_objective_aggregation"] == "normalize_then_sum"
+    assert (settings["entropy_coef"], settings["use_adaptive_entropy"], settings["entropy_target"]) == (0.01, True, 0.3)
+    missing = " ".join(not_carried(cfg))
+    assert "--advantage rloo" in missing and "--kl-estimator k2" in missing
+    assert not_carried(TrainConfig()) == []
