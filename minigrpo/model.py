@@ -1,8 +1,8 @@
 """The policy: a 4-bit (or 16-bit) base with LoRA adapters, and memory-lean per-token log-probs.
 
 The reference model is the same object with its adapters disabled (`with model.disable_adapter():`), or
-with `--reference-adapter`, holding that adapter's weights for the reference pass (`adapter_swapped`), so a
-run holds one copy of the base, never two.
+with `--reference-adapter`, holding that adapter's weights for the reference pass (`minigrpo.adapters`), so
+a run holds one copy of the base, never two.
 """
 
 from __future__ import annotations
@@ -149,53 +149,9 @@ def load_policy(cfg: TrainConfig, weights: str, dtype: torch.dtype | None = None
         # PEFT reads the old property name, which newer transformers deprecate: nothing for a user to act on
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         policy = get_peft_model(base, lora)
-    if cfg.reference_adapter:  # its weights kept beside the policy's, swapped in for the reference pass
-        own = {name: p.detach().clone() for name, p in lora_named_parameters(policy)}
-        load_adapter_weights(policy, cfg.reference_adapter, "--reference-adapter")
-        policy.reference_weights = {name: p.detach().clone() for name, p in lora_named_parameters(policy)}
-        with torch.no_grad():
-            for name, p in lora_named_parameters(policy):
-                p.copy_(own[name])
-    if cfg.init_adapter:
-        load_adapter_weights(policy, cfg.init_adapter, "--init-adapter")
-    return policy
+    from minigrpo.adapters import start_from
 
-
-def load_adapter_weights(model, folder: str | Path, flag: str) -> None:
-    """The policy's adapter set to the weights of an adapter folder of the same shape (an SFT warm-up's, a
-    reference), or an error naming what differs."""
-    from peft import set_peft_model_state_dict
-    from peft.utils import load_peft_weights
-
-    try:
-        result = set_peft_model_state_dict(model, load_peft_weights(str(folder), device=str(model.device)))
-    except RuntimeError as error:  # a size mismatch: another rank or model
-        raise ValueError(f"{flag} {folder} does not fit this model's adapter: {str(error).splitlines()[-1].strip()}"
-                         ) from None
-    missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
-    if getattr(result, "unexpected_keys", None) or missing:
-        raise ValueError(f"{flag} {folder} adapts other layers than this run's adapter (e.g. "
-                         f"{(result.unexpected_keys or missing)[0]}): make it with the same model and settings")
-
-
-@contextlib.contextmanager
-def adapter_swapped(model, weights: dict[str, torch.Tensor]):
-    """Inside, the policy's adapter holds `weights` (another adapter of its shape, e.g. the KL's reference);
-    its own weights are back after."""
-    params = dict(lora_named_parameters(model))
-    own = {name: p.detach().clone() for name, p in params.items()}
-    with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(weights[name])
-        try:
-            yield model
-        finally:
-            for name, p in params.items():
-                p.copy_(own[name])
-
-
-def lora_named_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
-    return [(n, p) for n, p in model.named_parameters() if "lora_" in n and ".default." in n]
+    return start_from(policy, cfg.init_adapter, cfg.reference_adapter)
 
 
 def _has_module(model, suffix: str) -> bool:

@@ -13,7 +13,8 @@ import torch
 
 from minigrpo import loss as L
 from minigrpo.config import TrainConfig
-from minigrpo.model import adapter_swapped, pad_batch, token_logprobs
+from minigrpo.adapters import adapter_swapped
+from minigrpo.model import pad_batch, token_logprobs
 from minigrpo.rollout import Groups
 
 
