@@ -100,7 +100,7 @@ def compute_dtype(gpu: Gpu | None, requested: str = "auto", cpu_bf16: bool | Non
     falls back to fp32). On a cpu (`gpu` None), fp32. Where the cpu has bf16 instructions (`cpu_bf16`; None
     reads this machine's flags) a bf16 matmul is about 2x faster, but an all-bf16 model rounds each LoRA
     layer's small addition away when its output is cast to bf16 (it learned less at a small learning rate;
-    README, "Speed on a CPU"), so there the model stays fp32 and only its projections compute in bf16
+    docs/speed.md), so there the model stays fp32 and only its projections compute in bf16
     (`bf16_projections`); an all-bf16 model is an opt-in.
 
     >>> compute_dtype(CARDS["t4"])[0], compute_dtype(CARDS["4090"])[0]
@@ -131,7 +131,7 @@ def bf16_projections(on_gpu: bool, dtype: str, load_in_4bit: bool, generator: st
     """Whether a run left to choose keeps its float32 model's block projections in bfloat16 (`model.Bf16Linear`):
     on a cpu with bf16 instructions, with the dtype left to `auto`, no 4-bit base, and transformers generating.
     A step runs near an all-bf16 one's speed while the adapter's additions, the residual stream and the logits
-    stay float32 (README, "Speed on a CPU"). Not beside the vLLM engine, whose own float32 copy would then
+    stay float32 (docs/speed.md). Not beside the vLLM engine, whose own float32 copy would then
     differ from the trainer by the rounding; not where a dtype is asked for.
 
     >>> [bf16_projections(False, "auto", False, "auto", cpu_bf16=has) for has in (True, False)]

@@ -101,7 +101,7 @@ class Bf16Linear(torch.nn.Linear):
     in its compute dtype: the input is cast down and the output back up, so the LoRA addition beside it, the
     residual stream, the norms and the logits stay float32. On a cpu with bf16 instructions that streams half
     the bytes per weight and multiplies about twice as fast, without rounding the adapter's small additions
-    away as an all-bfloat16 model does (README, "Speed on a CPU")."""
+    away as an all-bfloat16 model does (docs/speed.md)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)

@@ -1,6 +1,6 @@
 """Mistakes a hobbyist makes, and what each gets: one line naming the cause and the fix, a non-zero exit,
 and nothing of theirs lost or overwritten. Reward code is the user's: what it does wrong is scored and named.
-(The README's reliability section lists these.)"""
+(docs/reliability.md lists these.)"""
 
 import http.server
 import json

@@ -1,7 +1,7 @@
 """Proof that it learns: held-out reward before and after a short CPU run of the offline tiny model, on
 single replies (addition) and on multi-turn episodes (the guess game).
 
-The runs behind the README's curves (the first evaluated only before and after here, to save four minutes):
+The runs behind the curves of docs/results.md (the first evaluated only before and after here, to save four minutes):
     minigrpo train --steps 30 --eval-every 15 --eval-prompts 64 --eval-samples 4
     minigrpo train --task guess --max-new-tokens 16 --steps 30 --eval-every 30 --eval-prompts 64 --eval-samples 4
 """
