@@ -13,6 +13,32 @@ def tiny_model_path() -> str:
     return resolve_weights(OFFLINE_HUB_ID)
 
 
+@pytest.fixture
+def one_trl_step(tmp_path):
+    """`one_trl_step(*train_flags)`: graduate those flags, run one step of the written TRL script on the CPU, and
+    return what it printed (a failure shows its tail)."""
+    import os
+    import subprocess
+    import sys
+
+    from typer.testing import CliRunner
+
+    from minigrpo.cli import app
+
+    def run(*flags: str) -> str:
+        pytest.importorskip("trl")
+        out = tmp_path / "trl"
+        result = CliRunner().invoke(app, ["graduate", "--out", str(out), "--", *flags])
+        assert result.exit_code == 0, result.output
+        done = subprocess.run([sys.executable, "train_trl.py", "--cpu", "--max-steps", "1", "--output-dir",
+                               str(tmp_path / "trl-out")], cwd=out, capture_output=True, text=True, timeout=900,
+                              env=dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1"))
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done.stdout + done.stderr
+
+    return run
+
+
 def pytest_terminal_summary(terminalreporter):
     """Say which sandbox layers the sandbox tests ran with, and as whom, and which learning proofs were left
     out (shown even with -q)."""
