@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import typer
@@ -237,6 +238,9 @@ app.add_typer(talk_app)  # sample, chat
 
 
 def main() -> None:
+    # bitsandbytes logs a note about an optional kernel package when anything imports it (transformers' trainer
+    # module does, for a reward's TrainerState): not for a user's screen
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     if sys.argv[1:2] == ["train"]:  # watched: see minigrpo/supervise.py
         code = supervise.watch(sys.argv)
         if code is not None:

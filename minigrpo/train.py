@@ -23,7 +23,7 @@ from minigrpo import checkpoint, fork, judge
 from minigrpo import loss as L
 from minigrpo.check import precheck_rewards
 from minigrpo.config import PRESETS, TrainConfig
-from minigrpo.console import Display
+from minigrpo.console import Display, quiet_libraries
 from minigrpo.episodes import settle_budget
 from minigrpo.evaluate import Evaluator, settle_evaluation
 from minigrpo.generation import Generator
@@ -44,6 +44,7 @@ GAP_WARNING = 0.05  # mean |sampler - trainer| log-prob per token above which th
 def train(cfg: TrainConfig, resume: bool = False) -> Path:
     """Train a LoRA adapter with GRPO as `cfg` says; returns the run folder. With `resume`, continue the
     run in cfg.output_dir from its latest complete checkpoint, exactly where it stopped."""
+    quiet_libraries()  # before a reward's TrainerState imports transformers' trainer, and with it bitsandbytes
     seed_everything(cfg.seed)
     progress(stage="checking the task and its rewards")
     task = get_task(cfg.task, cfg.rewards, extra_tools=cfg.tools, environment=cfg.environment)

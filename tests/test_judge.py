@@ -261,10 +261,11 @@ class Stuck(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(payload)
             if self.path.startswith("/v1/interrupt"):
-                import os
                 import signal
 
-                os.kill(os.getpid(), signal.SIGINT)
+                # to the main thread, as a terminal's Ctrl-C reaches a process whose main thread is waiting: a
+                # process-wide kill may land on this server thread, and the main thread's wait is not interrupted
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
             return
         Stuck.release.wait()
 
