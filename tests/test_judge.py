@@ -312,10 +312,18 @@ def test_a_long_retry_after_is_cut_to_the_deadline(stuck, header, monkeypatch):
 
 
 def test_ctrl_c_reaches_through_a_judge_waiting_out_retry_after(stuck):
+    import signal
+
     judge = Judge("x", name="limited", endpoint=f"{stuck}/v1/interrupt", model="m")  # no deadline: waits 60 s
+    # Ctrl-C as an interactive process has it: a process started in the background by a shell inherits SIGINT
+    # ignored, and then no Ctrl-C reaches anything
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     start = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        judge(["p"], ["a"])  # the server sends the Ctrl-C once it has answered 429
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            judge(["p"], ["a"])  # the server sends the Ctrl-C once it has answered 429
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - start < 50
 
 
