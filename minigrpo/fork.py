@@ -63,7 +63,11 @@ def fork_config(spec: str, given: dict) -> TrainConfig:
     if "loss" in given or "advantage" in given:  # the knobs the old preset filled in give way to the new one's
         for knob in {k for preset in PRESETS.values() for k in preset} - set(given):
             fields[knob] = None
-    return TrainConfig(**{**fields, "output_dir": None, **given, "forked_from": spec})
+    cfg = TrainConfig(**{**fields, "output_dir": None, **given, "forked_from": spec})
+    if cfg.steps <= parse(spec)[1]:
+        raise ValueError(f"--fork {spec}: the fork starts after step {parse(spec)[1]} and the run ends at step "
+                         f"{cfg.steps}; give --steps above {parse(spec)[1]}")
+    return cfg
 
 
 def seed_folder(folder: Path, spec: str) -> None:

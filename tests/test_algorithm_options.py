@@ -145,6 +145,7 @@ def test_a_fork_starts_from_the_parents_checkpoint_with_its_changes(tmp_path):
     assert [m["step"] for m in metrics] == [1, 2, 3] and metrics[0] == read_metrics(parent)[0]  # its history to 1
     assert [m["lr"] for m in metrics[1:]] == [1e-3, 1e-3]
     for flags, says in [([f"{parent}@7"], "kept no checkpoint at step 7; it kept 1, 2"),
+                        ([f"{parent}@2"], "give --steps above 2"),
                         ([f"{parent}@1", "--model", "smollm2-360m"], "a fork keeps it")]:
         result = CliRunner().invoke(app, ["train", "--fork", *flags, "--output-dir", str(tmp_path / "x")])
         assert result.exit_code != 0 and says in " ".join(result.output.split()), result.output
