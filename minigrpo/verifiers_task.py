@@ -224,7 +224,7 @@ def _reward(name: str, names: list[str], scored, logs_metrics: bool):
     trace; a reward that returned a mapping records its parts under their own names, given here as parts (the
     trace does not say which function wrote them: with two such rewards, each is given every part)."""
     def reward(completions, vf_index, log_metric=None, **columns) -> list:
-        traces = [scored(i, json.dumps(c)) for c, i in zip(completions, vf_index)]
+        traces = [scored(i, json.dumps(c, default=str)) for c, i in zip(completions, vf_index)]
         if logs_metrics and log_metric is not None:
             for trace in traces:
                 for metric, value in getattr(trace, "metrics", {}).items():
