@@ -83,7 +83,8 @@ def fields_from_spec(spec: str) -> dict:
 
         out = []
         for completion, seed in zip(completions, openenv_seed):
-            limit = min(timeout, time_left() or timeout)
+            left = time_left()  # the reward's own time limit, where one runs (0.0 once it is spent)
+            limit = timeout if left is None else min(timeout, left)
             try:
                 out.append(_run(_episode(url, seed, _action(text_of(completion), text_field), limit), limit))
             except EpisodeError as error:

@@ -77,9 +77,6 @@ def sft(cfg: TrainConfig, data: Path, out: Path, epochs: int = 3, say=print) -> 
     loaded = load_for_training(cfg, say)
     model, tokenizer = loaded.model, loaded.tokenizer
     rows = token_rows(tokenizer, examples)
-    longest = max(len(p) + len(c) for p, c in rows)
-    if longest > cfg.max_prompt_tokens + cfg.max_new_tokens:
-        say(f"[yellow]note[/]: the longest example is {longest} tokens")
     optimizer = torch.optim.AdamW(lora_parameters(model), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     order, losses, started = list(range(len(rows))), [], time.perf_counter()
     model.train()

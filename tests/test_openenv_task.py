@@ -39,7 +39,7 @@ class SayObservation(Observation):
 
 
 class SayWord(Environment):
-    """Say the word the reset names; "slow" makes the step take 60 s, "nothing" gives no reward."""
+    """Say the word the reset names; "slow" makes the step take 120 s, "nothing" gives no reward."""
     SUPPORTS_CONCURRENT_SESSIONS = True
 
     def __init__(self):
@@ -51,7 +51,7 @@ class SayWord(Environment):
 
     def step(self, action, timeout_s=None, **kwargs):
         if "slow" in action.message:
-            time.sleep(60)
+            time.sleep(120)
         reward = None if "nothing" in action.message else float(self.word in action.message.lower())
         return SayObservation(text="", done=True, reward=reward)
 
@@ -128,7 +128,7 @@ def server(tmp_path_factory):
         assert process.poll() is None and time.monotonic() < deadline, "the OpenEnv test server did not start"
         time.sleep(0.5)
     yield url
-    process.kill()  # not a graceful stop: that would wait for the 60-s step
+    process.kill()  # not a graceful stop: that would wait for the 120-s step
     process.wait(timeout=30)
 
 
@@ -161,15 +161,20 @@ def test_an_action_of_several_fields_is_read_as_json(server):
     assert result.metrics == {"openenv/malformed": [1.0], "openenv/refused": [1.0]}
 
 
-def test_failed_episodes_score_zero_counted_and_within_their_deadline(server):
-    task = get_task(f"openenv:{server}/say:size=2,timeout=1")
+def test_failed_episodes_score_zero_counted_and_within_their_deadline(server, monkeypatch):
+    # a deadline far above what a normal episode takes on a busy machine, far below the slow step
+    task = get_task(f"openenv:{server}/say:size=2,timeout=10")
     row = task.make_data("train", 0)[0]
     started = time.monotonic()
     with pytest.warns(UserWarning, match="could not score 2 of 3"):
         result = scored(task, [row] * 3, ["slow apple", "apple, nothing", "apple"])
     assert result.values["openenv_SayWord"] == [0.0, 0.0, 1.0]
     assert result.metrics == {"openenv/timeout": [1.0], "openenv/malformed": [1.0]}
-    assert time.monotonic() - started < 30  # loose: the 60-s step was cut at its 1-s deadline, not waited for
+    assert time.monotonic() - started < 100  # the 120-s step was cut at its 10-s deadline, not waited for
+    monkeypatch.setattr("minigrpo.scoring.time_left", lambda: 0.0)  # the reward's own time limit is spent
+    with pytest.warns(UserWarning, match="could not score 1 of 1"):
+        spent = scored(task, [row], ["apple"])
+    assert spent.metrics == {"openenv/timeout": [1.0]}  # not asked at all: no wait past the limit
 
 
 def test_a_server_that_goes_away_scores_zero_and_is_counted():
@@ -186,7 +191,7 @@ def test_a_server_that_goes_away_scores_zero_and_is_counted():
         while not _answers(url):
             assert process.poll() is None and time.monotonic() < deadline
             time.sleep(0.5)
-        task = get_task(f"openenv:{url}:size=2,timeout=5")
+        task = get_task(f"openenv:{url}:size=2,timeout=20")
         row = task.make_data("train", 0)[0]
     finally:
         process.kill()  # gone at once, as a crashed server is
