@@ -13,6 +13,7 @@ import json
 import random
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from minigrpo.config import PRESETS, TrainConfig
 from minigrpo.console import quiet_libraries
+from minigrpo.sampling import kept_logmass
 from minigrpo.weights import offline_copy, resolve_weights
 
 
@@ -162,12 +164,19 @@ def lora_parameters(model) -> list[torch.nn.Parameter]:
     return [p for n, p in model.named_parameters() if p.requires_grad and "lora_" in n]
 
 
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
-                   temperature: float = 1.0, chunk_size: int = 512, with_entropy: bool = False,
-                   entropy_grad: bool = False):
-    """Log-probs of the last `n_completion` tokens of each row, under `model`, at `temperature`
-    (and, with `with_entropy`, the policy's entropy at each of those positions: detached, unless
-    `entropy_grad`, for a loss with an entropy bonus).
+class TokenStats(NamedTuple):
+    logps: torch.Tensor  # [B, T] log-probs of the completion tokens over the whole vocabulary
+    entropy: torch.Tensor  # [B, T] the policy's entropy at each position (zeros unless asked for)
+    kept: torch.Tensor  # [B, T] log of the mass top-p sampling keeps there (zeros at top_p 1): sampling.kept_logmass
+
+
+def token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
+                temperature: float = 1.0, chunk_size: int = 512, *, with_entropy: bool = False,
+                entropy_grad: bool = False, top_p: float = 1.0) -> TokenStats:
+    """Log-probs of the last `n_completion` tokens of each row, under `model`, at `temperature`; with
+    `with_entropy`, the policy's entropy at each of those positions (detached, unless `entropy_grad`, for a loss
+    with an entropy bonus); with `top_p` < 1, the log of the mass a top-p sampler keeps there (no gradient), to put
+    a sampler's nucleus log-probs on this side's footing.
 
     The full-vocabulary logits are never held for the whole batch: the completion positions of all rows
     go through the lm head `chunk_size` tokens at a time, and each chunk is checkpointed, so backward
@@ -181,18 +190,24 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     hidden = hidden[:, -n_completion - 1:-1].reshape(B * n_completion, -1)  # [B*T, H]: t predicts token t
     targets = input_ids[:, -n_completion:].reshape(-1)  # [B*T]
     head = inner.get_output_embeddings()
-    logps, entropies = [], []
+    parts = []
     for start in range(0, B * n_completion, chunk_size):
         h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]  # [c, H], [c]
         if torch.is_grad_enabled():
-            logp, entropy = checkpoint(_chunk_logprobs, head, h, t, temperature, with_entropy, entropy_grad,
-                                       use_reentrant=False)
+            parts.append(checkpoint(_chunk_logprobs, head, h, t, temperature, with_entropy, entropy_grad, top_p,
+                                    use_reentrant=False))
         else:
-            logp, entropy = _chunk_logprobs(head, h, t, temperature, with_entropy)
-        logps.append(logp)
-        entropies.append(entropy)
-    logps = torch.cat(logps).view(B, n_completion)  # [B, T]
-    return (logps, torch.cat(entropies).view(B, n_completion)) if with_entropy else logps
+            parts.append(_chunk_logprobs(head, h, t, temperature, with_entropy, top_p=top_p))
+    return TokenStats(*(torch.cat(column).view(B, n_completion) for column in zip(*parts)))  # [B, T] each
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
+                   temperature: float = 1.0, chunk_size: int = 512, with_entropy: bool = False,
+                   entropy_grad: bool = False):
+    """`token_stats`'s log-probs [B, T] (with `with_entropy`, and its entropies: a pair)."""
+    stats = token_stats(model, input_ids, attention_mask, n_completion, temperature, chunk_size,
+                        with_entropy=with_entropy, entropy_grad=entropy_grad)
+    return (stats.logps, stats.entropy) if with_entropy else stats.logps
 
 
 def pad_batch(rows: list[tuple[list[int], list[int]]], pad_id: int, device) -> tuple[torch.Tensor, ...]:
@@ -217,7 +232,7 @@ def positions(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool,
-                    entropy_grad: bool = False):
+                    entropy_grad: bool = False, top_p: float = 1.0):
     logits = head(hidden).float() / temperature  # [c, V]
     normalizer = torch.logsumexp(logits, dim=-1)  # [c]
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normalizer  # [c]
@@ -226,7 +241,9 @@ def _chunk_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperatu
         with contextlib.nullcontext() if entropy_grad else torch.no_grad():
             probs = torch.softmax(logits, dim=-1)  # [c, V]
             entropy = normalizer - (probs * logits).sum(-1)  # [c]: H = logsumexp - E_p[logit]
-    return logp, entropy
+    with torch.no_grad():
+        kept = kept_logmass(logits, targets, top_p)  # [c]
+    return logp, entropy, kept
 
 
 def full_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,

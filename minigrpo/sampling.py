@@ -1,7 +1,9 @@
 """How a token is drawn: the settings the trainer's log-probs assume (temperature, top-p), and the draw itself.
 
 Every generator that samples with our own code (the transformers decode loops) draws through `sample`, so the
-distribution a token came from is the one `loss.py` computes its log-prob under.
+distribution a token came from is the one `loss.py` computes its log-prob under. Where top-p < 1, a sampler's
+log-probs (ours, and vLLM's "processed" ones) are renormalised over the nucleus while the trainer's cover the
+whole vocabulary; `kept_logmass` is what puts the two on one footing for the importance weights (update.py).
 """
 
 from __future__ import annotations
@@ -17,21 +19,52 @@ class Sampling:
     max_new_tokens: int
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
+    # the longest context (prompt and all that follows) later calls of the same rollout may reach: an episode's
+    # turns. A fixed-shape decoder sizes its cache for it once instead of once per turn; None: this call alone
+    context_tokens: int | None = None
+
+
+def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """True outside the top-p nucleus: the most likely tokens are kept until their mass reaches top_p (the
+    first token always). logits: [b, V] -> [b, V]."""
+    probs, order = logits.softmax(-1).sort(-1, descending=True)  # [b, V]
+    outside = probs.cumsum(-1) - probs > top_p  # [b, V]: the mass before this token already covers top_p
+    return outside.scatter(-1, order, outside)  # [b, V], back in vocabulary order
 
 
 def sample(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row from softmax(logits / temperature) restricted to the top-p nucleus (greedy at
-    temperature 0), and its log-prob under that distribution. logits: [b, V] -> [b], [b]."""
+    temperature 0), and its log-prob under that distribution. logits: [b, V] -> [b], [b].
+
+    The draw is an exponential race, argmax(p / E) with E ~ Exponential(1) per token, which picks token i with
+    probability p_i exactly: no cumulative sum, whose rounding (a parallel scan on a card) can step over a
+    masked token, so a token outside the nucleus (p = 0) is never drawn, and no shape that depends on values
+    (it runs inside a captured CUDA graph)."""
     if sampling.temperature == 0:
         token = logits.argmax(-1)
         return token, logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
     logits = logits / sampling.temperature
-    if sampling.top_p < 1.0:  # keep the most likely tokens until their mass reaches top_p
-        probs, order = logits.softmax(-1).sort(-1, descending=True)  # [b, V]
-        outside = probs.cumsum(-1) - probs > sampling.top_p  # the mass before this token already covers top_p
-        logits = logits.scatter(-1, order, logits.gather(-1, order).masked_fill(outside, float("-inf")))
+    if sampling.top_p < 1.0:
+        logits = logits.masked_fill(nucleus(logits, sampling.top_p), float("-inf"))  # [b, V]
     logp = logits.log_softmax(-1)  # [b, V]
-    cdf = logp.exp().cumsum(-1)  # [b, V]
-    u = (1 - torch.rand(len(cdf), 1, device=cdf.device)) * cdf[:, -1:]  # (0, total]: never a zero-mass token
-    token = torch.searchsorted(cdf, u).squeeze(-1).clamp(max=cdf.shape[1] - 1)  # [b]
+    race = torch.empty_like(logp).exponential_().clamp_(min=torch.finfo(logp.dtype).tiny)  # [b, V], > 0
+    token = (logp.exp() / race).argmax(-1)  # [b]: a masked token's score is exactly 0, a kept one's above 0
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
+def kept_logmass(logits: torch.Tensor, targets: torch.Tensor, top_p: float) -> torch.Tensor:
+    """log of the probability mass top-p sampling keeps at each position, the sampled token always counted
+    (where rounding put it just outside this side's nucleus, the other side's sampler still kept it).
+    A sampler's nucleus log-prob plus this is the token's log-prob over the whole vocabulary, the trainer's
+    footing. logits: [c, V] (already divided by the temperature), targets: [c] -> [c].
+
+    >>> logits = torch.tensor([[0.5, 0.3, 0.2]]).log()
+    >>> [round(kept_logmass(logits, torch.tensor([t]), 0.7).exp().item(), 4) for t in (0, 2)]
+    [0.8, 1.0]
+    """
+    if top_p >= 1.0:
+        return logits.new_zeros(len(targets))  # [c]
+    probs = logits.float().softmax(-1)  # [c, V]
+    kept = ~nucleus(logits, top_p)  # [c, V]
+    kept.scatter_(-1, targets[:, None], True)
+    return (probs * kept).sum(-1).log()  # [c]

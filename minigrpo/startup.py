@@ -2,8 +2,9 @@
 
 The plan comes first, from the model's config alone, so a run that cannot fit says so before it loads
 gigabytes. Then, where the compute dtype is float16 (GPUs before sm_80, such as the T4), one short rollout
-checks that the policy's log-probs are finite and its text is not one token repeated: some models overflow
-in float16. When it fails and the dtype was chosen automatically, the run reloads in float32 and says so.
+with the trainer's own modules checks that the policy's log-probs are finite and its text is not one token
+repeated: some models overflow in float16. When it fails and the dtype was chosen automatically, the run
+reloads in float32 and says so. Only then does the generator start: a process starts one vLLM engine.
 """
 
 from __future__ import annotations
@@ -90,32 +91,30 @@ def load_for_training(cfg: TrainConfig, say=print, task: Task | None = None) -> 
     plan = plan_run(cfg, model_config, gpu, say, prompt_tokens=longest)
     if cfg.gradient_checkpointing is None:  # the plan decides, and config.json records what it decided
         cfg.gradient_checkpointing = plan.checkpointing
-    loaded = _load(cfg, weights, tokenizer, compute_dtype(gpu, cfg.dtype)[0], plan, say)
-    if loaded.dtype != torch.float16:
-        return loaded
-    problem = first_rollout_problem(loaded, cfg)
-    if problem is None:
-        return loaded
-    if cfg.dtype != "auto":
-        loaded.generator.close()
-        raise ValueError(f"with --dtype float16 the first rollout had {problem}: this model overflows in float16; "
-                         f"train with --dtype float32")
-    say(f"[yellow]float16 is not safe for this model: its first rollout had {problem}. Reloading in float32 "
-        f"(slower, and twice the engine memory).[/]")
-    loaded.generator.close()
-    del loaded
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    plan = plan_run(cfg, model_config, gpu, say, dtype="float32", prompt_tokens=longest)
-    return _load(cfg, weights, tokenizer, torch.float32, plan, say)
+    dtype = compute_dtype(gpu, cfg.dtype)[0]
+    model = _load(cfg, weights, dtype, say)
+    # float16's numbers are judged on the trainer alone, before any engine starts: a process then starts one
+    # engine, never a second beside the first one's remains (vLLM's memory check refuses it on a full card)
+    problem = first_rollout_problem(model, tokenizer, cfg) if dtype == torch.float16 else None
+    if problem is not None:
+        if cfg.dtype != "auto":
+            raise ValueError(f"with --dtype float16 the first rollout had {problem}: this model overflows in "
+                             f"float16; train with --dtype float32")
+        say(f"[yellow]float16 is not safe for this model: its first rollout had {problem}. Reloading in float32 "
+            f"(slower, and twice the engine memory).[/]")
+        del model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        dtype = torch.float32
+        plan = plan_run(cfg, model_config, gpu, say, dtype="float32", prompt_tokens=longest)
+        model = _load(cfg, weights, dtype, say)
+    return Loaded(model, tokenizer, make_generator(cfg, model, tokenizer, plan, dtype, say), dtype, plan)
 
 
-def _load(cfg: TrainConfig, weights: str, tokenizer, dtype: torch.dtype, plan: Plan, say) -> Loaded:
+def _load(cfg: TrainConfig, weights: str, dtype: torch.dtype, say):
     say(f"loading {cfg.model}{' (4-bit)' if cfg.load_in_4bit else ''} and adding LoRA adapters (rank {cfg.lora_rank})")
-    model = load_policy(cfg, weights, dtype)
-    generator = make_generator(cfg, model, tokenizer, plan, dtype, say)
-    return Loaded(model, tokenizer, generator, dtype, plan)
+    return load_policy(cfg, weights, dtype)
 
 
 def make_generator(cfg, model, tokenizer, plan, dtype: torch.dtype, say=print) -> Generator:
@@ -150,14 +149,13 @@ def make_generator(cfg, model, tokenizer, plan, dtype: torch.dtype, say=print) -
         return HFGenerator(model, tokenizer, report_logprobs=not exact, decoder=cfg.decoder, say=say)
 
 
-def first_rollout_problem(loaded: Loaded, cfg: TrainConfig, prompt: str = "Count from one to ten.") -> str | None:
-    """Sample a few short completions and take the trainer's log-probs of them; what is wrong, or None."""
-    from minigrpo.rollout import render_prompt
-
-    tokenizer, model = loaded.tokenizer, loaded.model
+def first_rollout_problem(model, tokenizer, cfg: TrainConfig, prompt: str = "Count from one to ten.") -> str | None:
+    """Sample a few short completions with the trainer's own modules and take its log-probs of them; what is
+    wrong, or None."""
     ids = tokenizer(render_prompt(tokenizer, prompt), add_special_tokens=False).input_ids
+    generator = HFGenerator(model, tokenizer, decoder="eager")  # 48 tokens: no dense copy of the base for them
     try:
-        out = loaded.generator.generate([ids], Sampling(2, 24, cfg.temperature, cfg.top_p))
+        out = generator.generate([ids], Sampling(2, 24, cfg.temperature, cfg.top_p))
     except RuntimeError as error:  # transformers refuses to sample from nan or inf probabilities
         if "inf" in str(error) or "nan" in str(error):
             return f"non-finite probabilities while sampling ({str(error).splitlines()[0][:80]})"

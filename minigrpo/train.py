@@ -324,6 +324,8 @@ def step_metrics(step: int, batch, info: dict, rewards, mb: MicroBatches, update
     if mb.sampler is not None:
         metrics["sampler_logprob_gap/mean"] = update.gap_sum / max(mb.full_mask.sum().item(), 1)
         metrics["sampler_logprob_gap/max"] = update.gap_max
+        # the mean of exp(trainer - sampler) before its cap: 1 where both sides are one distribution
+        metrics["importance_weight/mean"] = update.weight_sum / max(mb.full_mask.sum().item(), 1)
     return metrics
 
 

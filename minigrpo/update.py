@@ -14,7 +14,7 @@ import torch
 from minigrpo import loss as L
 from minigrpo.config import TrainConfig
 from minigrpo.adapters import adapter_swapped
-from minigrpo.model import pad_batch, token_logprobs
+from minigrpo.model import pad_batch, token_logprobs, token_stats
 from minigrpo.rollout import Groups
 
 
@@ -69,6 +69,7 @@ class Update:
     nonfinite: bool = False  # an update skipped for a NaN or inf
     gap_sum: float = 0.0  # sum over tokens of |trainer - sampler| log-prob, first pass
     gap_max: float = 0.0
+    weight_sum: float = 0.0  # sum over tokens of the importance weight exp(trainer - sampler), uncapped, first pass
     reference_s: float = 0.0
     grad_norms: list[float] = field(default_factory=list)
 
@@ -85,15 +86,23 @@ def policy_update(cfg: TrainConfig, model, mb: MicroBatches, advantages: torch.T
     update = Update(dict.fromkeys(("loss", "kl", "clip_frac", "ratio/mean", "entropy"), 0.0),
                     reference_s=time.perf_counter() - start)
     all_tokens = max(mb.full_mask.sum().item(), 1)
+    # the sampler's log-probs on the trainer's footing: with top-p < 1 a sampler renormalises over its nucleus, the
+    # trainer does not, so the sampling-time policy's kept mass goes back in (found in the first pass, kept after)
+    on_trainer_footing = [None] * n_chunks
     for iteration in range(cfg.num_iterations):
         last = iteration == cfg.num_iterations - 1
         pass_loss = 0.0
-        for c, (ids, attention, _), mask, old, ref in zip(mb.chunks, mb.inputs, mb.masks, old_logps, ref_logps):
+        for k, (c, (ids, attention, _), mask, old, ref) in enumerate(
+                zip(mb.chunks, mb.inputs, mb.masks, old_logps, ref_logps)):
             n = mask.shape[1]
-            logps, entropy = token_logprobs(model, ids, attention, n, cfg.temperature, cfg.logprob_chunk_size,
-                                            with_entropy=True, entropy_grad=entropy_coef > 0)  # [b, n], [b, n]
+            top_p = cfg.top_p if mb.sampler is not None and iteration == 0 else 1.0
+            logps, entropy, kept = token_stats(model, ids, attention, n, cfg.temperature, cfg.logprob_chunk_size,
+                                               with_entropy=True, entropy_grad=entropy_coef > 0,
+                                               top_p=top_p)  # [b, n] each
             old = logps.detach() if old is None else old
-            sampler = mb.sampler[c, :n].to(logps.device) if mb.sampler is not None else None  # [b, n]
+            if mb.sampler is not None and iteration == 0:
+                on_trainer_footing[k] = mb.sampler[c, :n].to(logps.device) + kept  # [b, n]
+            sampler = on_trainer_footing[k]  # [b, n] or None
             selected = L.high_entropy(entropy, mask, cfg.top_entropy_quantile) if cfg.top_entropy_quantile < 1 \
                 else None  # [b, n]
             loss, m = L.policy_loss(logps, old, ref, advantages[c].to(logps.device), mask, epsilon=cfg.epsilon,
@@ -111,9 +120,11 @@ def policy_update(cfg: TrainConfig, model, mb: MicroBatches, advantages: torch.T
                 for key in ("kl", "clip_frac", "ratio/mean"):
                     update.totals[key] += m[key] * share
             if sampler is not None and iteration == 0:
-                gap = (logps.detach() - sampler).abs()[mask]  # [tokens]
-                update.gap_sum += gap.sum().item()
-                update.gap_max = max(update.gap_max, gap.max().item()) if gap.numel() else update.gap_max
+                log_weight = (old - sampler)[mask]  # [tokens]: the importance weight's log, before its cap
+                update.gap_sum += log_weight.abs().sum().item()
+                update.weight_sum += log_weight.exp().sum().item()
+                update.gap_max = max(update.gap_max, log_weight.abs().max().item()) if log_weight.numel() \
+                    else update.gap_max
         grad_norm, outcome = apply_update(optimizer, scaler, cfg.max_grad_norm, pass_loss)
         update.grad_norms.append(grad_norm)
         update.overflows += outcome == "overflow"

@@ -131,11 +131,15 @@ class VLLMGenerator:
                   **share, **engine_options(on_gpu, max_rows))
         engine = cls(llm, LoRARequest("policy", LORA_ID, str(adapter_dir)), sleep=sleep and on_gpu, seed=seed,
                      folder=folder)
-        # one token with the adapter registers it and puts it in a slot; from then on sync overwrites the slot
-        engine.score([[tokenizer.eos_token_id or 0] * 2], 1)
-        engine.sync(model)
-        engine._wake()  # writes the adapter now, so a wrong layout fails at start, not at step 1
-        engine._sleep()
+        try:
+            # one token with the adapter registers it and puts it in a slot; from then on sync overwrites the slot
+            engine.score([[tokenizer.eos_token_id or 0] * 2], 1)
+            engine.sync(model)
+            engine._wake()  # writes the adapter now, so a wrong layout fails at start, not at step 1
+            engine._sleep()
+        except Exception:
+            engine.close()  # an engine that started but cannot serve the policy gives its memory back
+            raise
         return engine
 
     def generate(self, prompt_ids: list[list[int]], sampling: Sampling, base: bool = False) -> Rollout:
@@ -143,9 +147,12 @@ class VLLMGenerator:
         the in-memory judge), which draws nothing from the policy's seed stream."""
         from vllm import SamplingParams
 
-        params = SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                max_tokens=sampling.max_new_tokens, logprobs=0,
-                                seed=None if base else self.rng.randrange(2**31))
+        # a seed per prompt: vLLM seeds completion i of a request with seed + i, so one seed for the whole call
+        # would give a prompt that appears twice the same group twice. Seeds from our own stream keep a resumed
+        # run's samples those of the run it continues
+        params = [SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+                                 max_tokens=sampling.max_new_tokens, logprobs=0,
+                                 seed=None if base else self.rng.randrange(2**31)) for _ in prompt_ids]
         self._wake()
         outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params,
                                     lora_request=None if base else self.lora, use_tqdm=False)
@@ -191,6 +198,11 @@ class VLLMGenerator:
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
         self.llm = None
+        # vLLM 0.11.1 to 0.19 freeze the collector when the engine core starts in this process (`gc.freeze()`, so
+        # that its start-up objects are never scanned) and do not undo it at shutdown: everything alive then, the
+        # engine and the trainer's policy with their reference cycles, would stay in memory for good, and a second
+        # engine in this process (a notebook cell run again) would find the card still full. 0.20 on undo it
+        gc.unfreeze()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

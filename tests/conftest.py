@@ -39,6 +39,26 @@ def one_trl_step(tmp_path):
     return run
 
 
+@pytest.fixture
+def overflowing_copy():
+    """`overflowing_copy(tiny_model_path, folder)`: the tiny model with one weight scaled so its activations pass
+    float16's maximum (65504); returns the folder."""
+    def make(tiny_model_path, folder) -> str:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from minigrpo.model import load_tokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+        with torch.no_grad():
+            model.model.layers[0].mlp.down_proj.weight.mul_(3e3)
+        model.save_pretrained(folder)
+        load_tokenizer(tiny_model_path).save_pretrained(folder)
+        return str(folder)
+
+    return make
+
+
 def pytest_terminal_summary(terminalreporter):
     """Say which sandbox layers the sandbox tests ran with, and as whom, and which learning proofs were left
     out (shown even with -q)."""

@@ -341,21 +341,7 @@ def test_transformers_samples_exactly_from_the_policy(tiny_model_path, policy):
 
 # --- 1. float16: the overflow check and its fallback, for real on the tiny model ---
 
-def overflowing_copy(tiny_model_path, folder: Path) -> str:
-    """The tiny model with one weight scaled so its activations pass float16's maximum (65504)."""
-    from transformers import AutoModelForCausalLM
-
-    from minigrpo.model import load_tokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
-    with torch.no_grad():
-        model.model.layers[0].mlp.down_proj.weight.mul_(3e3)
-    model.save_pretrained(folder)
-    load_tokenizer(tiny_model_path).save_pretrained(folder)
-    return str(folder)
-
-
-def test_float16_overflow_falls_back_to_float32(monkeypatch, tiny_model_path, tmp_path):
+def test_float16_overflow_falls_back_to_float32(monkeypatch, tiny_model_path, tmp_path, overflowing_copy):
     from minigrpo import startup
 
     monkeypatch.setattr(startup, "this_gpu", lambda: CARDS["t4"])  # a T4's facts: float16 is chosen

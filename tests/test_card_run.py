@@ -1,0 +1,162 @@
+"""What would end or spoil a first run on a card, each proven on a CPU: the real mechanism where it runs here (the
+sampler, the fixed-shape decoder, the update, vLLM's CPU engine), the facts of a card as stand-ins where it does
+not. docs/gpu.md ("Before the first run on a card") says what each one was."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from minigrpo.config import TrainConfig
+from minigrpo.generation import HFGenerator, Sampling
+from minigrpo.model import load_policy, load_tokenizer, lora_parameters
+from minigrpo.rollout import Groups, render_prompt
+from minigrpo.sampling import sample
+from minigrpo.scoring import Scores
+
+
+# --- the draw: never a token outside the nucleus --------------------------------------------------------------
+
+def test_no_token_outside_the_nucleus_is_drawn_whatever_a_scan_rounds(monkeypatch):
+    """On a card, `cumsum` is a parallel scan: its later partial sums can round above the sum at the last kept
+    token. A draw that searches a cumulative sum then lands on a masked token (log-prob -inf, into the loss).
+    Stand-ins: such a scan (the second half of every cumulative sum one ulp high) and the uniform draw at its
+    top. The exponential race never reads a cumulative sum to draw: every token comes from the nucleus."""
+    real = torch.Tensor.cumsum
+
+    def scan(self, dim, *args, **kwargs):
+        out = real(self, dim, *args, **kwargs)
+        late = torch.arange(out.shape[-1]) >= out.shape[-1] // 2  # [V]
+        return out + late * 1e-6
+
+    monkeypatch.setattr(torch.Tensor, "cumsum", scan)
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.zeros(*shape, **kw))  # the top of (0, total]
+    logits = torch.tensor([[0.6, 0.3, 0.05, 0.05] + [1e-9] * 4]).log()  # [1, 8]: one row left, as at a rollout's end
+    for seed in range(200):
+        torch.manual_seed(seed)
+        token, logp = sample(logits, Sampling(1, 1, temperature=1.0, top_p=0.7))  # the nucleus: tokens 0 and 1
+        assert token.item() in (0, 1) and torch.isfinite(logp).all(), (seed, token, logp)
+
+
+# --- importance weights at top-p < 1 ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_path):
+    tokenizer = load_tokenizer(tiny_model_path)
+    policy = load_policy(TrainConfig(lora_rank=8, load_in_4bit=False, dtype="float32", bf16_base=False),
+                         tiny_model_path, torch.float32)
+    return policy, tokenizer
+
+
+def _prompt_ids(tokenizer, texts):
+    return [tokenizer(render_prompt(tokenizer, t), add_special_tokens=False).input_ids for t in texts]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+def test_importance_weights_are_one_when_sampler_and_trainer_are_one_policy_at_top_p(tiny, temperature):
+    """The sampler's own log-probs forced into the loss (as on a card), at top-p 0.7: a sampler renormalises over
+    its nucleus, the trainer does not. Put on one footing, the importance weights' mean is 1 and the gap ~0
+    (before, both read the nucleus mass: a mean weight near 0.9 and a gap warning every step)."""
+    from minigrpo.update import micro_batches, policy_update
+
+    policy, tokenizer = tiny
+    cfg = TrainConfig(lora_rank=8, load_in_4bit=False, dtype="float32", bf16_base=False, top_p=0.7,
+                      temperature=temperature, num_generations=8, prompts_per_step=2, max_new_tokens=24)
+    generator = HFGenerator(policy, tokenizer, report_logprobs=True, decoder="eager")
+    prompt_ids = _prompt_ids(tokenizer, ["Tell me a story about a cat.", "What is 3 + 5?"])
+    torch.manual_seed(0)
+    out = generator.generate(prompt_ids, Sampling(8, 24, temperature, 0.7))
+    rows = [{"prompt": "a"}, {"prompt": "b"}]
+    batch = Groups(rows, prompt_ids, out.completion_ids, [""] * 16, out.truncated, out.sampler_logps,
+                   Scores([0.0] * 16, {}))
+    mb = micro_batches(cfg, batch, tokenizer.pad_token_id, policy.device)
+    optimizer = torch.optim.SGD(lora_parameters(policy), lr=0.0)
+    update = policy_update(cfg, policy, mb, torch.randn(16), optimizer, torch.amp.GradScaler("cpu", enabled=False))
+    tokens = mb.full_mask.sum().item()
+    assert abs(update.weight_sum / tokens - 1) < 0.01, update.weight_sum / tokens
+    assert update.gap_sum / tokens < 1e-3 and update.gap_max < 1e-2, (update.gap_sum / tokens, update.gap_max)
+
+
+# --- a closed engine gives everything back; float16 is judged before any engine starts -----------------------
+
+def test_a_closed_engine_leaves_nothing_frozen_or_alive_and_a_second_one_starts(tiny_model_path, monkeypatch):
+    """vLLM 0.11.1 to 0.19 freeze the collector when the engine core starts in this process and never undo it: the
+    engine and the policy alive at that moment (both hold reference cycles) would outlive `close`, and a second
+    engine (the float32 reload, a notebook cell run twice) would meet a card still full. Stand-in for those
+    versions: the real CPU engine, the `gc.unfreeze()` calls that 0.20 on make at shutdown taken out."""
+    pytest.importorskip("vllm")
+    import types
+
+    import vllm.distributed.parallel_state as parallel_state
+    import vllm.v1.engine.core as core
+    import vllm.v1.worker.gpu_worker as worker
+
+    from minigrpo.vllm_engine import VLLMGenerator
+
+    names = {name: getattr(gc, name) for name in dir(gc) if not name.startswith("_")}
+    for module in (core, parallel_state, worker):
+        monkeypatch.setattr(module, "gc", types.SimpleNamespace(**{**names, "unfreeze": lambda: None}))
+    tokenizer = load_tokenizer(tiny_model_path)
+
+    def start(policy):
+        return VLLMGenerator.start(policy, tokenizer, lora_rank=8, max_model_len=128, seed=0, max_rows=4,
+                                   gpu_memory_utilization=None, sleep=False, dtype=torch.float32)
+
+    policy = load_policy(TrainConfig(lora_rank=8, load_in_4bit=True), tiny_model_path, torch.float32)
+    engine = start(policy)
+    assert gc.get_freeze_count() > 0, "the stand-in froze the collector, as those versions do"
+    engine_ref, policy_ref = weakref.ref(engine.llm), weakref.ref(policy)
+    engine.close()
+    del policy  # replaced, as by the float32 reload
+    gc.collect()
+    assert gc.get_freeze_count() == 0, "close leaves nothing frozen"
+    assert engine_ref() is None and policy_ref() is None, "the closed engine and the replaced policy are gone"
+
+    second = start(load_policy(TrainConfig(lora_rank=8, load_in_4bit=True), tiny_model_path, torch.float32))
+    try:
+        prompt = _prompt_ids(tokenizer, ["Name a colour."])
+        assert second.generate(prompt, Sampling(2, 4, 1.0)).completion_ids
+    finally:
+        second.close()
+
+
+def test_float16_is_judged_on_the_trainer_before_any_engine_starts(monkeypatch, tiny_model_path, tmp_path,
+                                                                  overflowing_copy):
+    """A T4's facts as stand-ins: float16 chosen, a model that overflows in it, vLLM asked for. The check runs on
+    the trainer alone, the run reloads in float32, and only then does an engine start: one engine, in float32."""
+    from minigrpo import startup
+    from minigrpo.hardware import CARDS
+
+    started = []
+    monkeypatch.setattr(startup, "this_gpu", lambda: CARDS["t4"])
+    monkeypatch.setattr(startup, "vllm_available", lambda: True)
+    monkeypatch.setattr(startup.VLLMGenerator, "start",
+                        classmethod(lambda cls, model, tokenizer, **kw: started.append(kw["dtype"]) or
+                                    HFGenerator(model, tokenizer)))
+    broken = overflowing_copy(tiny_model_path, tmp_path / "broken")
+    said = []
+    loaded = startup.load_for_training(TrainConfig(model=broken, generator="vllm", load_in_4bit=False), said.append)
+    assert loaded.dtype == torch.float32 and started == [torch.float32], started
+    assert any("float16 is not safe" in line for line in said), said
+
+
+def test_a_prompt_twice_in_one_engine_call_gets_two_different_groups(tiny_model_path):
+    """vLLM seeds completion i of a request with its seed + i: one seed for a whole call gave every prompt the same
+    seeds, so a prompt drawn twice in a step (or two prompts the model reads alike) got the same group twice."""
+    pytest.importorskip("vllm")
+    from minigrpo.vllm_engine import VLLMGenerator
+
+    tokenizer = load_tokenizer(tiny_model_path)
+    policy = load_policy(TrainConfig(lora_rank=8, load_in_4bit=True), tiny_model_path, torch.float32)
+    engine = VLLMGenerator.start(policy, tokenizer, lora_rank=8, max_model_len=128, seed=0, max_rows=8,
+                                 gpu_memory_utilization=None, sleep=False, dtype=torch.float32)
+    try:
+        prompt = _prompt_ids(tokenizer, ["Write a word."])[0]
+        out = engine.generate([prompt, prompt], Sampling(4, 12, 1.0))
+        first, second = out.completion_ids[:4], out.completion_ids[4:]
+        assert first != second, first
+        resumed = VLLMGenerator(engine.llm, engine.lora, sleep=False, seed=0)  # the same seed stream, again
+        assert resumed.generate([prompt, prompt], Sampling(4, 12, 1.0)).completion_ids[:4] == first
+    finally:
+        engine.close()
