@@ -13,6 +13,7 @@ from minigrpo.errors import clear_errors
 
 PRESET_HELP = "[default: from the model preset]"
 machine_app = typer.Typer(rich_markup_mode=None)
+TRAIN = TrainConfig()  # train's defaults, where plan takes the same option
 
 
 @machine_app.command("plan")
@@ -29,6 +30,9 @@ def plan_command(
     generator: str = typer.Option("auto", help="vllm | hf | auto."),
     dtype: str = typer.Option("auto", help="auto | bfloat16 | float16 | float32."),
     load_in_4bit: bool = typer.Option(True, "--4bit/--no-4bit", help="nf4 base, or 16-bit."),
+    eval_every: int = typer.Option(TRAIN.eval_every, help="As train's: a sampled evaluation decodes prompts x samples."),
+    eval_prompts: int = typer.Option(TRAIN.eval_prompts, help="Held-out prompts an evaluation decodes at once."),
+    eval_samples: int = typer.Option(TRAIN.eval_samples, help="Samples per held-out prompt (with --eval-every)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per card, for scripts."),
 ) -> None:
     """Before any download: what a run would use on a card (dtype, generator, engine share, peak) and if it fits;
@@ -40,7 +44,8 @@ def plan_command(
     try:
         cfg = TrainConfig(model=model, num_generations=num_generations, prompts_per_step=prompts_per_step,
                           max_new_tokens=max_new_tokens, micro_batch_size=micro_batch_size, lora_rank=lora_rank,
-                          generator=generator, dtype=dtype, load_in_4bit=load_in_4bit)
+                          generator=generator, dtype=dtype, load_in_4bit=load_in_4bit, eval_every=eval_every,
+                          eval_prompts=eval_prompts, eval_samples=eval_samples)
         plans = plans_for(cfg, gpu, gpu_memory)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None

@@ -65,10 +65,11 @@ def run_episodes(generator: Generator, tokenizer, tools: list[Callable], prompt_
     episodes = [Episode(i // G, [], tools=list(tools) + (environment_tools(environments[i]) if environments else []),
                         env=environments[i] if environments else None) for i in range(len(prompt_ids) * G)]
     live, contexts, n = episodes, prompt_ids, G  # the first turn: one prefill per prompt
+    longest = max(len(p) for p in prompt_ids) + limits.max_episode_tokens  # no context of these episodes is longer
     while live:
         room = max(limits.max_episode_tokens - len(e.ids) for e in live)
         out = generator.generate(contexts, Sampling(n, min(limits.max_new_tokens, room), limits.temperature,
-                                                    limits.top_p))
+                                                    limits.top_p, context_tokens=longest))
         logps = out.sampler_logps or [None] * len(live)
         for e, ids, cut_short, lp in zip(live, out.completion_ids, out.truncated, logps):
             _model_turn(e, ids, cut_short, lp, limits, tokenizer)

@@ -112,20 +112,23 @@ class StepMemory:
     """What one training step adds to the memory of the loaded model, from the model's shape alone.
 
     Generation with transformers keeps keys and values for every row at once (vLLM's cache is part of the
-    engine's fixed share instead). Training runs one micro-batch at a time: with gradient checkpointing it
-    keeps each layer's input, recomputes one layer at a time in backward (its activations and their
-    gradients), and sends `chunk` completion tokens at a time through the lm head (the logits, their float32
-    copies and the log-softmax: about 16 bytes per vocabulary entry). The peak is the larger of the two; the
-    rest (weights, optimizer, runtime buffers) is measured, by `calibrate`.
+    engine's fixed share instead), in the fixed-shape decoder's one state (static_decode.py), which stays
+    through training: the largest rollout's while it decodes (the held-out evaluation's `eval_rows` may be the
+    largest), and through training the one the last rollout left (an evaluation's, where the training rollout
+    fitted in it). Training runs one micro-batch at a time: with gradient checkpointing it keeps each layer's
+    input, recomputes one layer at a time in backward (its activations and their gradients), and sends `chunk`
+    completion tokens at a time through the lm head (the logits, their float32 copies and the log-softmax:
+    about 16 bytes per vocabulary entry). The step's peak is the larger of decoding and state plus training;
+    the rest (weights, optimizer, runtime buffers) is measured, by `calibrate`.
 
     >>> from transformers import LlamaConfig
     >>> memory = StepMemory(LlamaConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
     ...                                 num_attention_heads=16, num_key_value_heads=4, vocab_size=32000),
     ...                     dtype_bytes=2, micro_batch_size=8, chunk=512)
-    >>> round(memory.step_gb(rows=32, prompt_tokens=128, new_tokens=512), 3)  # training 8 x 640 tokens + logits
-    0.869
-    >>> round(memory.step_gb(rows=128, prompt_tokens=128, new_tokens=512), 3)  # the cache of 128 rows x 640 tokens
-    1.25
+    >>> round(memory.step_gb(rows=32, prompt_tokens=128, new_tokens=512), 3)  # 32 rows' state + training
+    1.182
+    >>> round(memory.step_gb(rows=32, prompt_tokens=128, new_tokens=512, eval_rows=256), 3)  # 256 rows decoding
+    2.5
     """
 
     shape: object  # a transformers config
@@ -148,9 +151,16 @@ class StepMemory:
         return (micro * T * (kept + 2 * layer) * self.dtype_bytes + min(micro * new_tokens, self.chunk) * s.vocab * 16
                 ) / GiB
 
-    def step_gb(self, rows: int, prompt_tokens: int, new_tokens: int) -> float:
-        generation = self.generation_gb(rows, prompt_tokens, new_tokens) if self.hf_generation else 0.0
-        return max(generation, self.training_gb(rows, prompt_tokens, new_tokens))
+    def step_gb(self, rows: int, prompt_tokens: int, new_tokens: int, eval_rows: int = 0) -> float:
+        training = self.training_gb(rows, prompt_tokens, new_tokens)
+        if not self.hf_generation:
+            return training
+        from minigrpo.static_decode import rows_bucket
+
+        trained, evaluated = rows_bucket(rows), rows_bucket(eval_rows) if eval_rows else 0
+        kept = evaluated if rows <= evaluated <= 2 * trained else trained  # the state a training rollout leaves
+        decoding = self.generation_gb(max(trained, evaluated), prompt_tokens, new_tokens)
+        return max(decoding, self.generation_gb(kept, prompt_tokens, new_tokens) + training)
 
     def calibrate(self, rows: list[dict]) -> float:
         """The measured part: the median over the measured settings of peak memory minus what their step adds."""
@@ -175,6 +185,12 @@ class Settings:
     generator: str = "auto"
     gpu_memory_utilization: float | None = None
     bf16_base: bool = False  # a float32 model's projections kept in bfloat16 (a cpu)
+    eval_prompts: int = 0  # held-out prompts an evaluation decodes at once; 0 without an evaluation
+    eval_samples: int = 1  # rows per held-out prompt (the sampled evaluation's n; greedy alone: 1)
+
+    @property
+    def eval_rows(self) -> int:
+        return self.eval_prompts * self.eval_samples
 
     @classmethod
     def of(cls, cfg, prompt_tokens: int = 192) -> "Settings":
@@ -182,7 +198,9 @@ class Settings:
                    min(prompt_tokens, cfg.max_prompt_tokens), cfg.completion_tokens, cfg.max_prompt_tokens,
                    cfg.lora_rank, cfg.load_in_4bit if cfg.load_in_4bit is not None else True, cfg.micro_batch_size,
                    cfg.logprob_chunk_size, cfg.gradient_checkpointing, cfg.dtype, cfg.generator,
-                   cfg.gpu_memory_utilization, cfg.bf16_base)
+                   cfg.gpu_memory_utilization, cfg.bf16_base,
+                   cfg.eval_prompts if cfg.eval_every or cfg.eval_before_after else 0,
+                   cfg.eval_samples if cfg.eval_every else 1)  # the sampled evaluation decodes n rows a prompt
 
 
 @dataclass
@@ -232,7 +250,7 @@ def make_plan(shape, gpu: Gpu | None, s: Settings, vllm_installed: bool = True, 
     if s.checkpointing is None:
         s = dataclasses.replace(s, checkpointing=needs_checkpointing(shape, gpu, s, nbytes, trainer, host_memory_gb()))
     memory = StepMemory(shape, nbytes, s.micro_batch_size, s.chunk, True, s.checkpointing)
-    hf_step = memory.step_gb(s.rows, s.prompt_tokens, s.new_tokens)
+    hf_step = memory.step_gb(s.rows, s.prompt_tokens, s.new_tokens, s.eval_rows)
     train_step = memory.training_gb(s.rows, s.prompt_tokens, s.new_tokens)
     name, total = (gpu.name, gpu.total_gb) if gpu else ("cpu", 0.0)
     dense = sizes.linear * nbytes / GiB * s.load_in_4bit  # the fixed-shape decoder's dense copy of a 4-bit base,
@@ -325,7 +343,7 @@ def engine_plan(sizes: Sizes, gpu: Gpu, s: Settings, nbytes: int, trainer: float
 
 
 FLAGS = {"micro_batch_size": "--micro-batch-size", "generator": "--generator", "new_tokens": "--max-new-tokens",
-         "prompts": "--prompts-per-step"}
+         "prompts": "--prompts-per-step", "eval_prompts": "--eval-prompts"}
 
 
 def finish(plan: Plan, gpu: Gpu, s: Settings, shape, advise: bool) -> Plan:
@@ -349,15 +367,17 @@ def finish(plan: Plan, gpu: Gpu, s: Settings, shape, advise: bool) -> Plan:
 
 
 def smaller_settings(s: Settings):
-    """Settings a little lighter each time: micro-batch, then the generator, then length, then group size."""
-    micro = s.micro_batch_size
+    """Settings a little lighter each time: micro-batch, then the generator, then length, then group size; for
+    each, fewer held-out prompts decoded at once first (an evaluation's own precision is all they cost)."""
+    micro, held_out = s.micro_batch_size, s.eval_prompts
     for m in (micro, max(1, micro // 2), max(1, micro // 4)):
         for generator in ([s.generator] if s.generator == "hf" else [s.generator, "hf"]):
             for new in (n for n in (s.new_tokens, s.new_tokens // 2, s.new_tokens // 4) if n >= 16):
                 for prompts in (s.prompts, max(1, s.prompts // 2), 1):
-                    yield dataclasses.replace(s, micro_batch_size=m, generator=generator, new_tokens=new,
-                                              prompts=prompts, rows=s.rows // s.prompts * prompts,
-                                              gpu_memory_utilization=None)
+                    for evaluated in dict.fromkeys((held_out, held_out // 2, held_out // 4)):
+                        yield dataclasses.replace(s, micro_batch_size=m, generator=generator, new_tokens=new,
+                                                  prompts=prompts, rows=s.rows // s.prompts * prompts,
+                                                  gpu_memory_utilization=None, eval_prompts=evaluated)
 
 
 def plans_for(cfg, gpu: str | None, gpu_memory: float | None) -> dict[str, Plan]:

@@ -8,8 +8,12 @@ waiting. This decoder reads the same weights through a flat, fixed-shape step in
   the compute precision (a 4-bit base dequantized once, since it never changes; a 16-bit base re-pointed at the
   fused tensor, so no second copy), and the LoRA adapters beside them, unmerged, in two small matmuls per
   fused projection (`A` stacked, `B` block-diagonal with the scaling folded in);
-- a static key/value cache sized for the rollout (prompt width rounded up, plus `max_new_tokens`); a finished
-  row keeps decoding masked and its tokens past eos are dropped at the end, so no shape changes;
+- a static key/value cache sized for the rollout (rows rounded up to a power of two, its length up to a multiple
+  of `LENGTH_STEP`, or to an episode's whole length); a finished row keeps decoding masked and its tokens past
+  eos are dropped at the end, so no shape changes. The decoder holds one such state at a time: a rollout that
+  fits in it (no more rows or length, and at least half of its rows used) reuses it, graph and all, so an
+  episode's turns share one; any other frees it first, then builds its own. Its memory is one state's
+  (`held_bytes`), which `plan.py` counts through training;
 - rotary embeddings as one small batched matmul per layer, from a rotation built once per token;
 - sampling (`sampling.sample`, the trainer's temperature and top-p) inside the step, its tokens and log-probs
   written to device buffers; the host reads "has every row ended?" once per `CHECK_EVERY` tokens.
@@ -31,10 +35,19 @@ from minigrpo.model import cache_keyword
 from minigrpo.sampling import Sampling, sample
 
 CHECK_EVERY = 8  # new tokens between host reads of "has every row ended?" (the only sync while decoding)
-WIDTH_STEP = 64  # prompt widths are rounded up to this, so rollouts of similar prompts share one graph
+LENGTH_STEP = 64  # cache lengths are rounded up to this, so rollouts of similar prompts share one graph
 LAYOUTS = ("llama", "qwen2", "mistral")  # pre-norm blocks, rotary attention, SwiGLU: the step below
 GROUPS = {"qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")), "o": ("self_attn", ("o_proj",)),
           "gate_up": ("mlp", ("gate_proj", "up_proj")), "down": ("mlp", ("down_proj",))}
+
+
+def rows_bucket(rows: int) -> int:
+    """The rows a state is built with: the next power of two, so turns with a few episodes fewer share one.
+
+    >>> [rows_bucket(r) for r in (1, 3, 8, 9, 64)]
+    [1, 4, 8, 16, 64]
+    """
+    return 1 << (rows - 1).bit_length()
 
 
 class Unsupported(Exception):
@@ -121,7 +134,7 @@ class StaticDecoder:
             for name, (part, names) in GROUPS.items():
                 block[name] = Projection([getattr(getattr(layer, part), n) for n in names], stream)
             self.blocks.append(block)
-        self.graphs: dict = {}  # (rows, width, sampling) -> (state, graph): one captured step per batch shape
+        self.held: dict | None = None  # the one state kept: its buffers, its graph on a card, what it decodes
         self.states_built = 0  # how many times a batch shape's buffers (and, on a card, its graph) were made
 
     @classmethod
@@ -196,9 +209,8 @@ class StaticDecoder:
         s["slot"].add_(1)
         s["t"].add_(1)
 
-    def _state(self, rows: int, width: int, sampling: Sampling, eos_ids: list[int]) -> dict:
-        dev, n = self.inner.device, sampling.max_new_tokens
-        T = width + n
+    def _state(self, rows: int, T: int, eos_ids: list[int]) -> dict:
+        dev = self.inner.device
         self.states_built += 1
         kv = (rows, self.kv_heads, T, self.head_dim)
         z = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=dev)  # noqa: E731
@@ -209,8 +221,31 @@ class StaticDecoder:
                 "values_v": [v.view(-1, T, self.head_dim) for v in values],  # [b Hkv, T, hd]
                 "mask": torch.full((rows * self.kv_heads, 1, T), -math.inf, dtype=self.stream, device=dev),
                 "rotary": self._rotary(T + 1), "token": z(rows), "position": z(rows), "slot": z(1), "t": z(1),
-                "tokens": z(rows, n), "logps": z(rows, n, dtype=torch.float32), "done": z(rows, dtype=torch.bool),
+                "tokens": z(rows, T), "logps": z(rows, T, dtype=torch.float32), "done": z(rows, dtype=torch.bool),
                 "eos": torch.tensor(eos_ids, dtype=torch.long, device=dev)}
+
+    def held_bytes(self) -> int:
+        """Device bytes of the state held between rollouts (on a card its graph's pool adds a step's activations)."""
+        if self.held is None:
+            return 0
+        tensors = [t for v in self.held["state"].values() for t in (v if isinstance(v, list) else [v])]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}  # views once
+        return sum(storages.values())
+
+    def _take_state(self, rows: int, need: int, reserve: int, sampling: Sampling, adapters: bool,
+                    eos_ids: list[int]) -> dict:
+        """The held state where this rollout fits in it (its graph reused), else a new one, the old freed first.
+        `need` is the cache length this call fills, `reserve` what its later turns may reach."""
+        kind = (sampling.temperature, sampling.top_p, adapters, tuple(eos_ids))  # what a captured step bakes in
+        held = self.held
+        if (held is not None and held["kind"] == kind and rows <= held["rows"] <= 2 * rows_bucket(rows)
+                and need <= held["T"] <= 2 * max(reserve, need) + LENGTH_STEP):
+            return held
+        self.held = held = None  # its cache and graph go back before the next is made
+        T = -(-max(need, reserve) // LENGTH_STEP) * LENGTH_STEP
+        R = rows_bucket(rows)
+        self.held = {"kind": kind, "rows": R, "T": T, "state": self._state(R, T, eos_ids), "graph": None}
+        return self.held
 
     def _rotary(self, length: int) -> torch.Tensor:
         """cos and sin of every position up to `length`, from the model's own rotary module (its scaling
@@ -228,35 +263,36 @@ class StaticDecoder:
 
         dev, G, n = self.inner.device, sampling.n, sampling.max_new_tokens
         P, longest = len(prompt_ids), max(len(p) for p in prompt_ids)
-        width = -(-longest // WIDTH_STEP) * WIDTH_STEP
         ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompt_ids], device=dev)  # [P, Lp]
         mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompt_ids], device=dev)  # [P, Lp]
+        held = self._take_state(P * G, longest + n, sampling.context_tokens or 0, sampling, adapters, eos_ids)
+        s, R = held["state"], held["rows"]
+        # row r decodes prompt r // G; rows beyond P x G (the state's spare rows) repeat prompt 0 and start done
+        source = torch.arange(R, device=dev).div(G, rounding_mode="floor").clamp(max=P - 1)  # [R]
+        source[P * G:] = 0
         # the prompts: one prefill per distinct prompt with the trainer's own modules, as generation.decode does
         cache = DynamicCache()
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                          **{cache_keyword(self.model): cache}, use_cache=True, logits_to_keep=1)
-        key = (P * G, width, n, sampling.temperature, sampling.top_p, adapters, tuple(eos_ids))
-        s, graph = self.graphs.get(key) or (self._state(P * G, width, sampling, eos_ids), None)
-        if len(self.graphs) > 2 and key not in self.graphs:
-            self.graphs.clear()  # rollouts of other shapes: keep the memory of a few at most
         for i in range(len(self.blocks)):
             layer = cache.layers[i]
-            s["keys"][i][:, :, :longest] = layer.keys.repeat_interleave(G, dim=0)
-            s["values"][i][:, :, :longest] = layer.values.repeat_interleave(G, dim=0)
-        rows_mask = mask.repeat_interleave(G, dim=0)  # [B, Lp]
+            s["keys"][i][:, :, :longest] = layer.keys.index_select(0, source)
+            s["values"][i][:, :, :longest] = layer.values.index_select(0, source)
+        rows_mask = mask.index_select(0, source)  # [R, Lp]
         s["mask"].fill_(-math.inf)
         s["mask"][:, 0, :longest].masked_fill_(rows_mask.repeat_interleave(self.kv_heads, dim=0).bool(), 0.0)
         s["position"].copy_(rows_mask.sum(-1))
         s["slot"].fill_(longest)
         s["t"].fill_(1)
         s["done"].zero_()
-        token, logp = sample(out.logits[:, -1].float().repeat_interleave(G, dim=0), sampling)  # [B], [B]
+        s["done"][P * G:] = True
+        token, logp = sample(out.logits[:, -1].float().index_select(0, source), sampling)  # [R], [R]
         s["tokens"][:, 0], s["logps"][:, 0], s["token"][:] = token, logp, token
         s["done"].logical_or_(torch.isin(token, s["eos"]))
         del out, cache
-        if dev.type == "cuda" and graph is None:
-            graph = self._capture(s, sampling, adapters)
-        self.graphs[key] = (s, graph)
+        if dev.type == "cuda" and held["graph"] is None:
+            held["graph"] = self._capture(s, sampling, adapters)
+        graph = held["graph"]
         made = 1
         while made < n:
             if made % CHECK_EVERY == 1 and bool(s["done"].all()):  # the one host read, every few tokens
@@ -266,7 +302,7 @@ class StaticDecoder:
             else:
                 self._step(s, sampling, adapters)
             made += 1
-        tokens, logps = s["tokens"][:, :made].tolist(), s["logps"][:, :made].tolist()
+        tokens, logps = s["tokens"][:P * G, :made].tolist(), s["logps"][:P * G, :made].tolist()
         eos = set(eos_ids)
         for row in range(len(tokens)):  # each row ends at its first eos; what a finished row sampled after is dropped
             end = next((j + 1 for j, tok in enumerate(tokens[row]) if tok in eos), made)

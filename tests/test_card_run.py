@@ -160,3 +160,91 @@ def test_a_prompt_twice_in_one_engine_call_gets_two_different_groups(tiny_model_
         assert resumed.generate([prompt, prompt], Sampling(4, 12, 1.0)).completion_ids[:4] == first
     finally:
         engine.close()
+
+
+# --- the fixed-shape decoder: one state held, and reused across an episode's turns ----------------------------
+
+def _state_bytes(decoder) -> int:
+    """Bytes of every tensor the decoder keeps between rollouts, its weights aside (whatever holds them)."""
+    seen, total = set(), 0
+
+    def walk(x):
+        nonlocal total
+        if isinstance(x, torch.Tensor):
+            storage = x.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    for name, value in vars(decoder).items():
+        if name not in ("blocks", "model", "inner"):
+            walk(value)
+    return total
+
+
+@pytest.fixture(scope="module")
+def static_policy(tiny_model_path):
+    policy = load_policy(TrainConfig(lora_rank=4, load_in_4bit=False, dtype="float32", bf16_base=False),
+                         tiny_model_path, torch.float32).eval()
+    return policy, load_tokenizer(tiny_model_path)
+
+
+def test_after_an_evaluation_and_a_rollout_the_decoder_holds_one_state(static_policy):
+    """The held-out evaluation's state (many rows, greedy) sat beside the training rollout's through training,
+    three at most: on a T4 the difference between a llama-3.2-3b run that fits and one that runs out of memory."""
+    policy, tokenizer = static_policy
+    prompts = _prompt_ids(tokenizer, [f"What is {a} + {a}?" for a in range(8)])
+    evaluated = HFGenerator(policy, tokenizer)
+    evaluated.generate(prompts, Sampling(1, 6, temperature=0.0))  # an evaluation: 8 prompts, greedy
+    evaluated.generate(prompts[:1], Sampling(2, 6))  # a training rollout: 1 prompt x 2
+    alone = HFGenerator(policy, tokenizer)
+    alone.generate(prompts[:1], Sampling(2, 6))
+    assert _state_bytes(alone.static) > 0
+    assert _state_bytes(evaluated.static) == _state_bytes(alone.static)
+    assert alone.static.held_bytes() == _state_bytes(alone.static)
+
+
+def test_an_episodes_turns_share_one_state(static_policy):
+    """Each turn of an episode has its own rows, prompt width and token budget; on a card each new shape is a new
+    graph capture (and was a new cache, three kept). Four turns of 2 x 2 episodes: one state, built once."""
+    from minigrpo.episodes import Limits, run_episodes
+
+    policy, tokenizer = static_policy
+
+    class Chat:  # answers every turn, so each episode runs to max_turns
+        def respond(self, message):
+            return "Go on."
+
+    generator = HFGenerator(policy, tokenizer)
+    generator.eos_ids = list(range(len(tokenizer)))  # every turn one token long: none is cut, all go on
+    prompts = _prompt_ids(tokenizer, ["Tell me a story.", "Count to three."])
+    torch.manual_seed(0)
+    episodes = run_episodes(generator, tokenizer, [], prompts, 2, Limits(max_new_tokens=6, max_turns=4,
+                            max_episode_tokens=200), environments=[Chat() for _ in range(4)])
+    assert all(e.turns == 4 for e in episodes), [e.turns for e in episodes]
+    assert generator.static.states_built == 1, generator.static.states_built
+
+
+def test_the_plan_counts_the_evaluations_decode_and_the_state_kept_through_training():
+    """llama-3.2-3b on a T4 with transformers generation: the default greedy evaluation decodes 64 rows at once
+    (about 5 GB of cache where a training rollout's 16 rows take 1.2), and the sampled one 256; the plan now
+    counts them, and where they cannot fit, names the flag that makes them fit."""
+    from minigrpo.plan import StepMemory, plans_for, preset_shape
+
+    def plan(**settings):
+        cfg = TrainConfig(model="llama-3.2-3b", generator="hf", load_in_4bit=True, **settings)
+        return next(iter(plans_for(cfg, "t4", None).values()))
+
+    alone, greedy, sampled = plan(eval_before_after=False), plan(), plan(eval_every=10)
+    memory = StepMemory(preset_shape("llama-3.2-3b"), 2, 8, 512)
+    rows = 16  # the preset's 2 prompts x 8
+    assert alone.step_gb == pytest.approx(memory.generation_gb(rows, 192, 512) + memory.training_gb(rows, 192, 512))
+    assert greedy.step_gb == pytest.approx(memory.generation_gb(64, 192, 512)) and greedy.step_gb > alone.step_gb
+    assert greedy.fits and not sampled.fits
+    assert any("--eval-prompts" in advice for advice in sampled.advice), sampled.advice
