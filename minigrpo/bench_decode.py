@@ -56,11 +56,11 @@ def depth_only(preset: str, folder: Path, head_dim: int = 8, vocab: int = 512, l
     return str(folder)
 
 
-def _policy(folder: str, load_in_4bit: bool):
+def _policy(folder: str, load_in_4bit: bool, dtype: str = "auto"):
     from minigrpo.model import default_dtype, load_policy
 
     cfg = TrainConfig(lora_rank=16, load_in_4bit=load_in_4bit, bf16_base=False,
-                      dtype="auto" if torch.cuda.is_available() else "float32")
+                      dtype=dtype if torch.cuda.is_available() else "float32")
     policy = load_policy(cfg, folder, default_dtype(cfg.dtype)).eval()
     policy.generation_config.eos_token_id = None  # no token ends a row: every decode runs to its limit
     with torch.no_grad():  # a trained adapter's size, so its matmuls are not skipped as zeros anywhere
@@ -156,6 +156,59 @@ def measure(generator, rows: int, repeats: int = 2, lengths: tuple[int, int] = (
             if per_token["launches"] > 0 else None
         figures["card_busy_share"] = round(per_token["busy_ms"] / wall_ms, 3) if wall_ms > 0 else None
     return figures
+
+
+def decode_agreement(policy, rows: int = 8, new_tokens: int = 24, tolerance: float = 1e-2) -> list[tuple[str, bool, str]]:
+    """Does the fixed-shape loop (a captured CUDA graph on a card) decode what the eager loop and the trainer do?
+    Greedy tokens equal the eager loop's (where a row parts, only at a tie the precision decides: the trainer's
+    log-probs of both tokens within `tolerance`); sampled tokens' log-probs within `tolerance` of the trainer's
+    per token on average; and both again after an optimizer step and the adapter's refresh. Returns (check, passed,
+    figures) for each."""
+    from minigrpo.generation import HFGenerator, decode
+    from minigrpo.model import lora_parameters, pad_batch, token_logprobs
+
+    prompts = [list(range(10 + 7 * i, 40 + 5 * i)) for i in range(max(1, rows // 2))]  # left-padded widths
+    generator = HFGenerator(policy, _Pad(), report_logprobs=True, decoder="static")
+    eos = generator.eos_ids or [_Pad.eos_token_id]
+
+    def trainer(pairs: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, attention, mask = pad_batch(pairs, 0, policy.device)
+        with torch.no_grad():
+            return token_logprobs(policy, ids, attention, mask.shape[1]).float().cpu(), mask.cpu()  # [B, T]
+
+    def greedy() -> tuple[bool, str]:
+        fixed = generator.generate(prompts, Sampling(1, new_tokens, 0.0)).completion_ids
+        eager, _ = decode(policy, prompts, Sampling(1, new_tokens, 0.0), eos, 0)
+        parted, ties = 0, []
+        for prompt, a, b in zip(prompts, fixed, eager):
+            j = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            if j is None:
+                continue
+            parted += 1
+            logps, _ = trainer([(prompt, a[:j + 1]), (prompt, b[:j + 1])])
+            ties.append(abs(logps[0, j] - logps[1, j]).item())
+        ok = all(t < tolerance for t in ties)
+        return ok, f"{len(prompts) - parted} of {len(prompts)} rows identical" + (
+            f"; parted at log-prob differences {[round(t, 4) for t in ties]}" if ties else "")
+
+    def sampled() -> tuple[bool, str]:
+        out = generator.generate(prompts, Sampling(2, new_tokens, 1.0))
+        logps, mask = trainer([(prompts[i // 2], c) for i, c in enumerate(out.completion_ids)])
+        ours = torch.tensor([x for row in out.sampler_logps for x in row])
+        gap = (logps[mask] - ours).abs()
+        return gap.mean().item() < tolerance, f"mean {gap.mean().item():.2g}, max {gap.max().item():.2g} per token"
+
+    results = [("greedy tokens, fixed-shape = eager", *greedy()), ("sampled log-probs, fixed-shape = trainer", *sampled())]
+    policy.train()  # one optimizer step on the adapter, as training takes, then the refresh `sync` makes
+    optimizer = torch.optim.SGD(lora_parameters(policy), lr=0.5)
+    ids = torch.tensor([prompts[0]], device=policy.device)
+    token_logprobs(policy, ids, torch.ones_like(ids), 8).sum().backward()
+    optimizer.step()
+    policy.eval()
+    generator.sync(policy)
+    results += [(f"{name}, after a step", *check()) for name, check in
+                (("greedy tokens, fixed-shape = eager", greedy), ("sampled log-probs, fixed-shape = trainer", sampled))]
+    return results
 
 
 def bench_decode(presets=("smollm2-135m", "qwen-1.5b"), rows=(1, 16, 64), load_in_4bit: bool | None = None,

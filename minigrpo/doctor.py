@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from minigrpo.hardware import (Gpu, bf16_projections, compute_dtype, dtype_name, version_tuple, vllm_requirement,
-                               vllm_supported)
+from minigrpo.hardware import (Gpu, allocator_problem, bf16_projections, compute_dtype, dtype_name, version_tuple,
+                               vllm_problem, vllm_requirement, vllm_supported)
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 MINIMUM = {"torch": "2.4", "transformers": "4.56", "peft": "0.17", "bitsandbytes": "0.45"}  # as pyproject.toml
@@ -31,8 +31,11 @@ class Check:
     detail: str
 
 
-def check_versions(found: dict[str, str | None], gpu: Gpu | None) -> list[Check]:
-    """The stack's versions against what minigrpo supports.
+def check_versions(found: dict[str, str | None], gpu: Gpu | None, vllm_problem: str | None = None,
+                   allocator: str | None = None) -> list[Check]:
+    """The stack's versions against what minigrpo supports; `vllm_problem` (`hardware.vllm_problem`) where the
+    installed vLLM is built for another torch, `allocator` (`hardware.allocator_problem`) where torch's allocator
+    settings stop it on a card.
 
     >>> [c.status for c in check_versions({"torch": "2.13.0", "transformers": "5.19.0", "peft": "0.21.2",
     ...                                    "bitsandbytes": "0.50.2", "vllm": "0.9.2"}, None)]
@@ -55,6 +58,8 @@ def check_versions(found: dict[str, str | None], gpu: Gpu | None) -> list[Check]
     elif not vllm_supported(vllm):
         checks.append(Check("vllm", FAIL, f"{vllm} is outside the versions minigrpo's engine knows (0.10.2 to "
                                           f"0.33): pip install '{want}', or train with --generator hf"))
+    elif vllm_problem or allocator:
+        checks.append(Check("vllm", FAIL, f"{vllm}: {vllm_problem or allocator} (meanwhile --generator hf)"))
     else:
         checks.append(Check("vllm", OK, vllm))
     return checks
@@ -67,6 +72,8 @@ def check_cuda(gpu: Gpu | None, torch_cuda: str | None) -> list[Check]:
     ['ok', 'FAIL']
     >>> [c.status for c in check_cuda(Gpu("T4", (7, 5), 14.75, cuda_driver=(12, 4)), "12.8")]
     ['ok', 'ok']
+    >>> [c.status for c in check_cuda(Gpu("V100", (7, 0), 15.77, cuda_driver=(13, 0)), "13.0")]  # no sm_70 code
+    ['ok', 'FAIL']
     """
     if gpu is None:
         gpu_note = "; torch has CUDA but sees no GPU (driver missing?)" if torch_cuda else ""
@@ -74,7 +81,13 @@ def check_cuda(gpu: Gpu | None, torch_cuda: str | None) -> list[Check]:
     checks = [Check("device", OK if gpu.capability >= (7, 0) else FAIL,
                     f"{gpu.name}, {gpu.sm}, {gpu.total_gb:.1f} GB" + (
                         "" if gpu.capability >= (7, 0) else ": bitsandbytes and vLLM need compute capability 7.0+"))]
-    if torch_cuda is None:
+    if torch_cuda is not None and version_tuple(torch_cuda)[0] >= 13 and gpu.capability < (7, 5):
+        # CUDA 13 dropped code generation for Volta and older: its builds carry no kernel this card can run
+        checks.append(Check("cuda", FAIL, f"torch is built for CUDA {torch_cuda}, whose builds have no kernels for "
+                                          f"the {gpu.name} ({gpu.sm}; CUDA 13 starts at sm_75): install torch's "
+                                          f"CUDA 12 build (cu128) and, for vLLM, pip install "
+                                          f"'{vllm_requirement(gpu)}' (a CUDA 12 build)"))
+    elif torch_cuda is None:
         checks.append(Check("cuda", FAIL, "this torch is a cpu build: install a CUDA build of torch"))
     elif gpu.cuda_driver is None:
         checks.append(Check("cuda", WARN, f"torch built for CUDA {torch_cuda}; the driver's CUDA is unknown "
@@ -178,17 +191,33 @@ def check_engine(policy, tokenizer, dtype: torch.dtype, on_gpu: bool) -> list[Ch
                             f"engine vs trainer: {gap:.2g} per token on a fixed text, {sampled_gap:.2g} on its own "
                             f"samples (limit {GAP_LIMIT})" + ("" if ok else ": the engine is not the policy")))
         if on_gpu:
-            free_awake = torch.cuda.mem_get_info()[0]
-            engine._sleep()
-            freed = (torch.cuda.mem_get_info()[0] - free_awake) / 2**30
-            again = engine.generate([prompt], Sampling(2, 8, 1.0))
-            checks.append(Check("sleep and wake", OK if again.completion_ids else FAIL,
-                                f"sleeping freed {freed:.2f} GB; woke and generated again"))
+            weights = sum(f.stat().st_size for f in (Path(engine.folder.name) / "base").glob("*.safetensors"))
+            checks.append(check_sleep(engine, weights / 2**30, prompt))
     except Exception as error:
         checks.append(Check("adapter sync", FAIL, f"{type(error).__name__}: {str(error)[:300]}"))
     finally:
         engine.close()
     return checks
+
+
+def check_sleep(engine, weights_gb: float, prompt: list[int]) -> Check:
+    """Wake the engine (each `generate` leaves it asleep), read the card's free memory, put it to sleep, read
+    again: what sleeping gives back, which must be at least most of the engine's weights (level 1 moves them
+    to host memory and drops the cache); then that it wakes and generates."""
+    from minigrpo.generation import Sampling
+
+    engine._wake()
+    torch.cuda.synchronize()
+    free_awake = torch.cuda.mem_get_info()[0]
+    engine._sleep()
+    torch.cuda.synchronize()
+    freed = (torch.cuda.mem_get_info()[0] - free_awake) / 2**30
+    again = engine.generate([prompt], Sampling(2, 8, 1.0))
+    ok = freed >= 0.8 * weights_gb and bool(again.completion_ids)
+    detail = f"sleeping freed {freed:.2f} GB (its weights: {weights_gb:.2f} GB); woke and generated again"
+    return Check("sleep and wake", OK if ok else FAIL, detail if ok else detail + (
+        ": the engine does not give its memory back while training runs" if freed < 0.8 * weights_gb else
+        ": it did not generate after waking"))
 
 
 def check_sandbox() -> Check:
@@ -211,7 +240,7 @@ def run_doctor(requested_dtype: str = "auto") -> list[Check]:
     gpu = this_gpu()
     found = versions()
     checks = check_cuda(gpu, torch.version.cuda)
-    checks += check_versions(found, gpu)
+    checks += check_versions(found, gpu, vllm_problem(), allocator_problem(found.get("vllm")) if gpu else None)
     dtype, why = compute_dtype(gpu, requested_dtype)
     checks.append(Check("compute dtype", OK, f"{dtype_name(dtype)}: {why}"))
     checks.append(check_sandbox())

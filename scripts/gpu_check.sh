@@ -7,7 +7,10 @@
 #      kernel launches (and their mean host time) and syncs per token, and the share of a token's wall time the
 #      card spends in kernels; then `minigrpo bench decode` on models of the preset's depth and tiny widths (the
 #      host's cost alone);
-#   4. `minigrpo bench model` on the preset with random weights of its shape (measured: s/step, tokens/s,
+#   4. the fixed-shape loop's correctness on the card, in its default dtype and in float16 (a T4's): greedy tokens
+#      equal the eager loop's (or part only at a tie), sampled tokens' log-probs within 1e-2 of the trainer's, and
+#      both again after an optimizer step and the adapter's refresh, asserted;
+#   4b. `minigrpo bench model` on the preset with random weights of its shape (measured: s/step, tokens/s,
 #      peak and reserved memory beside the plan's estimate);
 #   5. the T4's float16 path on this card: `doctor --dtype float16` and three training steps in float16
 #      (gradient scaler, first-rollout numerics check), then what a first run on a card must show, asserted:
@@ -27,11 +30,12 @@
 #       --platform manylinux_2_24_x86_64 -d .gpu/wheels bitsandbytes==0.50.2   # beforehand, where pip works
 #
 # A CPU dry run with the stages scaled down (what the tests run): MODEL=smollm2-135m DECODE_ROWS=2 DECODE_TOKENS="2 4"
-# DECODE_BENCH_ROWS=2 STAGES="plan decode".
+# DECODE_BENCH_ROWS=2 CHECK_ROWS=2 CHECK_TOKENS=4 CHECK_DTYPES=auto STAGES="plan decode correct".
 # The limits add up to 580 s, so the whole check ends within 10 minutes on one card even where every stage runs
 # out of time (a fresh process per bench setting: two settings, two steps each).
-# Overrides: STAGES (default "doctor plan decode bench fp16 export"), MODEL, EXPORT_MODEL, SMALL, BENCH_ARGS,
-# DECODE_ROWS, DECODE_TOKENS, DECODE_BENCH_ROWS, and DOCTOR_S, DECODE_S, BENCH_S, FP16_S, EXPORT_S (limits in seconds). A dry run on a cpu: MODEL=smollm2-135m
+# Overrides: STAGES (default "doctor plan decode correct bench fp16 export"), MODEL, EXPORT_MODEL, SMALL, BENCH_ARGS,
+# DECODE_ROWS, DECODE_TOKENS, DECODE_BENCH_ROWS, CHECK_ROWS, CHECK_TOKENS, CHECK_DTYPES, and DOCTOR_S, DECODE_S,
+# CORRECT_S, BENCH_S, FP16_S, EXPORT_S (limits in seconds). A dry run on a cpu: MODEL=smollm2-135m
 # BENCH_ARGS="-G 2 --max-new-tokens 8 --steps 2".
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +44,7 @@ wheels=${2:-.gpu/wheels}
 model=${MODEL:-qwen-1.5b}
 small=${SMALL:-smollm2-135m}
 export_model=${EXPORT_MODEL:-$model}
-stages=${STAGES:-doctor plan decode bench fp16 export}  # which stages to run
+stages=${STAGES:-doctor plan decode correct bench fp16 export}  # which stages to run
 bench_args=${BENCH_ARGS:--G 4 -G 8 --max-new-tokens 256 --steps 2}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -98,6 +102,22 @@ for rows in map(int, sys.argv[2].split()):
                           "cpu": cpu_model(), **figures}), flush=True)
 PY
 }
+decode_correct() {  # decode_correct FOLDER: the fixed-shape loop decodes as the eager loop and the trainer (exit 1 if not)
+  python - "$1" "${CHECK_ROWS:-8}" "${CHECK_TOKENS:-24}" ${CHECK_DTYPES:-auto float16} <<'PY'
+import sys
+import torch
+from minigrpo.bench_decode import _policy, decode_agreement
+folder, rows, tokens, failed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), 0
+for dtype in sys.argv[4:]:
+    policy = _policy(folder, load_in_4bit=True, dtype=dtype)
+    for what, ok, figures in decode_agreement(policy, rows=rows, new_tokens=tokens):
+        failed += not ok
+        print(f"{'PASS' if ok else 'FAIL'}: {policy.dtype}, {policy.device}: {what} ({figures})", flush=True)
+    del policy
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+sys.exit(1 if failed else 0)
+PY
+}
 first_run_checks() {  # first_run_checks RUN_DIR: what a first run on a card must show, asserted (exit 1 if not)
   python - "$1" <<'PY'
 import json, sys
@@ -105,7 +125,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from minigrpo.config import TrainConfig
-from minigrpo.plan import plans_for
+from minigrpo.plan import peak_agrees, plans_for
 from minigrpo.train import GAP_WARNING
 run = Path(sys.argv[1])
 steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -120,10 +140,9 @@ checks = {
     "no float16 step was skipped by the gradient scaler": not any(m.get("skipped_overflow") for m in steps),
 }
 if torch.cuda.is_available():  # the plan's estimate is for a card
-    plan, peak = next(iter(plans_for(TrainConfig.load(run / "config.json"), None, None).values())), \
-        max(m["mem/peak_gb"] for m in steps)
-    checks[f"peak memory {peak:.2f} GB within 25% of the plan's {plan.peak_gb:.2f} GB"] = \
-        abs(peak - plan.peak_gb) <= 0.25 * plan.peak_gb
+    plan = next(iter(plans_for(TrainConfig.load(run / "config.json"), None, None).values()))
+    ok, said = peak_agrees(plan, max(m["mem/peak_gb"] for m in steps))
+    checks[said] = ok
 for what, ok in checks.items():
     print(("PASS: " if ok else "FAIL: ") + what)
 sys.exit(0 if all(checks.values()) else 1)
@@ -134,7 +153,7 @@ preset_flags() {  # preset_flags PRESET: the preset's settings as flags, for a r
 print(f'--max-new-tokens {p.max_new_tokens} --num-generations {p.num_generations} --prompts-per-step '
       f'{p.prompts_per_step} --lora-rank {p.lora_rank} --learning-rate {p.learning_rate}')" "$1"
 }
-export -f random_model export_memory decode_speed preset_flags first_run_checks
+export -f random_model export_memory decode_speed decode_correct preset_flags first_run_checks
 export work
 
 # a reward random text earns unevenly (random weights never solve a sum), so a step's groups have a spread to learn
@@ -146,7 +165,11 @@ printf 'def vowel_share(completions, **kwargs):\n    return [sum(c in "aeiou" fo
   nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv 2>&1 || echo "no nvidia-smi"
   if compgen -G "$wheels/*.whl" > /dev/null; then
     echo "## installing carried wheels: $(ls "$wheels" | tr '\n' ' ')"
-    python -m pip install --no-index --no-deps --no-compile --target "$work/site" "$wheels"/*.whl 2>&1 | tail -3
+    if python -m pip --version > /dev/null 2>&1; then
+      python -m pip install --no-index --no-deps --no-compile --target "$work/site" "$wheels"/*.whl 2>&1 | tail -3
+    else  # a python without pip: a wheel is a zip whose top level is what site-packages holds
+      for wheel in "$wheels"/*.whl; do python -m zipfile -e "$wheel" "$work/site" && echo "unpacked $(basename "$wheel")"; done
+    fi
     export PYTHONPATH=$work/site:$PWD  # the carried wheels over the machine's own versions
   fi
   python - <<'PY'
@@ -161,11 +184,14 @@ PY
   stage doctor ${DOCTOR_S:-60} "minigrpo doctor" python -m minigrpo.cli doctor
   stage plan 40 "minigrpo plan (the estimate, before any run): this card, then a T4" \
     bash -c "python -m minigrpo.cli plan --model $model && python -m minigrpo.cli plan --model $model --gpu t4"
-  stage decode ${DECODE_S:-190} "transformers decoding of $model (random weights): ms per new token" bash -c "
+  stage decode ${DECODE_S:-150} "transformers decoding of $model (random weights): ms per new token" bash -c "
     folder=\$(random_model $model $work/big | tail -1) && decode_speed \$folder &&
     python -m minigrpo.cli bench decode --preset $model $(printf -- '--rows %s ' ${DECODE_BENCH_ROWS:-1 16 64}) --json"
+  stage correct ${CORRECT_S:-70} "fixed-shape decoding of $model decodes as the eager loop and the trainer" bash -c "
+    folder=$work/big; [ -f $work/big/config.json ] || folder=\$(random_model $model $work/big | tail -1)
+    decode_correct \$folder"
   # shellcheck disable=SC2086  # the arguments are meant to split
-  stage bench ${BENCH_S:-140} "minigrpo bench model (measured)" python -m minigrpo.cli bench model --model "$model" --random-weights \
+  stage bench ${BENCH_S:-110} "minigrpo bench model (measured)" python -m minigrpo.cli bench model --model "$model" --random-weights \
     $bench_args
   stage fp16 30 "float16, as on a T4: doctor" python -m minigrpo.cli doctor --dtype float16
   stage fp16 ${FP16_S:-60} "float16, as on a T4: three training steps of $small (random weights)" bash -c "

@@ -248,3 +248,122 @@ def test_the_plan_counts_the_evaluations_decode_and_the_state_kept_through_train
     assert greedy.step_gb == pytest.approx(memory.generation_gb(64, 192, 512)) and greedy.step_gb > alone.step_gb
     assert greedy.fits and not sampled.fits
     assert any("--eval-prompts" in advice for advice in sampled.advice), sampled.advice
+
+
+# --- the GPU check's decode-correctness stage, at a CPU's size ----------------------------------------------
+
+def test_the_decode_correctness_check_passes_and_catches_a_stale_graph(tmp_path, monkeypatch):
+    """What the GPU check asserts on a card (the captured graph decodes as the eager loop and the trainer, before
+    and after an optimizer step), run on a 4-bit + LoRA model of 3 layers; with the adapter's refresh taken out,
+    the checks after the step fail: they can."""
+    from minigrpo.bench_decode import _policy, decode_agreement, depth_only
+    from minigrpo.static_decode import StaticDecoder
+
+    folder = depth_only("qwen-1.5b", tmp_path / "model", layers=3)
+    results = decode_agreement(_policy(folder, load_in_4bit=True), rows=4, new_tokens=8)
+    assert len(results) == 4 and all(ok for _, ok, _ in results), results
+    monkeypatch.setattr(StaticDecoder, "refresh", lambda self: None)
+    stale = decode_agreement(_policy(folder, load_in_4bit=True), rows=4, new_tokens=8)
+    assert [ok for _, ok, _ in stale] == [True, True, False, False], stale
+
+
+# --- the doctor's sleep check, the facts of a card as stand-ins ---------------------------------------------
+
+class _Card:
+    """A card's free memory as an engine's sleep and wake change it."""
+
+    def __init__(self, frees_gb: float):
+        self.free, self.frees = 10 * 2**30, frees_gb * 2**30
+        self.asleep = True  # `generate` has just put it to sleep, as every call does
+
+    def _wake(self):
+        if self.asleep:
+            self.free -= self.frees
+            self.asleep = False
+
+    def _sleep(self):
+        if not self.asleep:
+            self.free += self.frees
+            self.asleep = True
+
+    def generate(self, prompts, sampling):
+        self._wake()
+        self._sleep()
+        from minigrpo.generation import Rollout
+
+        return Rollout([[1, 2]] * sampling.n, [False] * sampling.n)
+
+
+@pytest.mark.parametrize("frees_gb,passes", [(3.2, True), (0.0, False)])
+def test_the_doctors_sleep_check_measures_an_awake_engine(monkeypatch, frees_gb, passes):
+    """Read while it was already asleep, an engine that gives nothing back passed ("freed 0.00 GB"). Awake first,
+    the check measures sleeping itself."""
+    from minigrpo import doctor
+
+    card = _Card(frees_gb)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (card.free, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    check = doctor.check_sleep(card, weights_gb=3.0, prompt=[1, 2, 3])
+    assert (check.status == doctor.OK) == passes, check
+    assert f"freed {frees_gb:.2f} GB" in check.detail, check
+
+
+# --- what the doctor and the engine's start say about a machine, from its facts -----------------------------
+
+def test_expandable_segments_are_named_before_an_old_vllm_starts(monkeypatch, tiny):
+    """vLLM before 0.21 asserts at start when torch's allocator has expandable segments (a common notebook
+    setting): with `auto` the run generates with transformers and says why in the variable's name; with
+    `--generator vllm` it stops with that line. 0.21 on handles them itself."""
+    from minigrpo import startup
+    from minigrpo.plan import Plan
+
+    policy, tokenizer = tiny
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(startup, "vllm_available", lambda: True)
+    monkeypatch.setattr(startup, "versions", lambda: {"vllm": "0.11.2"})
+    started = []
+    monkeypatch.setattr(startup.VLLMGenerator, "start", classmethod(lambda cls, *a, **kw: started.append(1)))
+    plan = Plan("T4", 14.75, "float16", "", "vllm", "", 1.0, 1.0)
+    said = []
+    generator = startup.make_generator(TrainConfig(generator="auto"), policy, tokenizer, plan, torch.float32,
+                                       said.append)
+    assert isinstance(generator, HFGenerator) and not started
+    assert any("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in line for line in said), said
+    with pytest.raises(startup.SetupError, match="expandable segments"):
+        startup.make_generator(TrainConfig(generator="vllm"), policy, tokenizer, plan, torch.float32, said.append)
+    monkeypatch.setattr(startup, "versions", lambda: {"vllm": "0.32.0"})
+    startup.make_generator(TrainConfig(generator="vllm"), policy, tokenizer, plan, torch.float32, said.append)
+    assert started == [1]
+
+
+def test_the_doctor_fails_a_vllm_built_for_another_torch():
+    from minigrpo.doctor import FAIL, check_versions
+    from minigrpo.hardware import CARDS, vllm_problem
+
+    found = {"torch": "2.11.0", "transformers": "5.19.0", "peft": "0.21.2", "bitsandbytes": "0.50.2", "vllm": "0.11.2"}
+    problem = vllm_problem("2.11.0+cu130", {"vllm": ["torch==2.9.0"]})
+    vllm = check_versions(found, CARDS["t4"], problem)[-1]
+    assert vllm.status == FAIL and "torch==2.9.0" in vllm.detail and "--generator hf" in vllm.detail, vllm
+
+
+def test_the_gpu_check_installs_its_wheels_where_python_has_no_pip(tmp_path):
+    """A GPU machine's python may lack pip: the carried wheels are then unpacked, and import from there."""
+    import os
+    import subprocess
+    import sys
+    import zipfile
+    from pathlib import Path
+
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    with zipfile.ZipFile(wheels / "carried-1.0-py3-none-any.whl", "w") as wheel:
+        wheel.writestr("carried/__init__.py", "WHERE = 'carried'\n")
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    out = tmp_path / "gpu_check.txt"
+    env = {**os.environ, "STAGES": "none", "PATH": f"{bare / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    subprocess.run(["bash", "scripts/gpu_check.sh", str(out), str(wheels)], env=env, cwd=Path(__file__).parent.parent,
+                   capture_output=True, text=True, timeout=120)
+    report = out.read_text()
+    assert "unpacked carried-1.0-py3-none-any.whl" in report and "No module named pip" not in report, report

@@ -517,9 +517,10 @@ def test_gpu_check_script_runs_its_stages_and_reports_each(tmp_path):
     import sys
 
     out = tmp_path / "gpu_check.txt"
-    env = {**os.environ, "STAGES": "plan decode", "MODEL": "smollm2-135m", "DECODE_ROWS": "2", "DECODE_BENCH_ROWS": "2",
-           "DECODE_TOKENS": "2 4",  # a 4-bit model of full width decodes slowly on a cpu: the stage scaled down
-           "DECODE_S": "500",  # its gpu limit is for a gpu; a busy 2-core cpu took over 150 s
+    env = {**os.environ, "STAGES": "plan decode correct", "MODEL": "smollm2-135m", "DECODE_ROWS": "2",
+           "DECODE_BENCH_ROWS": "2", "DECODE_TOKENS": "2 4",  # a 4-bit model of full width decodes slowly on a cpu
+           "CHECK_ROWS": "2", "CHECK_TOKENS": "4", "CHECK_DTYPES": "auto",  # the stages scaled down
+           "DECODE_S": "500", "CORRECT_S": "300",  # their limits are for a gpu; a busy 2-core cpu took over 150 s
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run(["bash", "scripts/gpu_check.sh", str(out), str(tmp_path / "no-wheels")], env=env,
                           cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=600)
@@ -537,6 +538,9 @@ def test_gpu_check_script_runs_its_stages_and_reports_each(tmp_path):
     assert figures[0]["syncs_per_token"] < figures[1]["syncs_per_token"]
     depth_only = [f for f in figures[2:] if f.get("preset") == "smollm2-135m"]  # `bench decode`: the host's cost
     assert [(f["rows"], f["path"]) for f in depth_only] == [(2, "eager"), (2, "static")], figures
+    assert re.search(r"## fixed-shape decoding of smollm2-135m .*: exit 0 after", report), report[-2000:]
+    passed = [line for line in report.splitlines() if line.startswith("PASS: ")]
+    assert len(passed) == 4 and "after a step" in passed[-1], report[-2000:]
     assert "## minigrpo doctor" not in report, "only the stages asked for run"
 
 
@@ -568,4 +572,4 @@ def test_the_gpu_checks_stage_limits_add_up_to_under_ten_minutes():
     leave room, within 10 minutes on a card, for installing the carried wheels and starting up."""
     text = (Path(__file__).parent.parent / "scripts" / "gpu_check.sh").read_text()
     limits = [int(x) for x in re.findall(r"^\s*stage \w+ (?:\$\{\w+:-)?(\d+)", text, re.M)]
-    assert len(limits) == 7 and sum(limits) <= 600 - 20, limits
+    assert len(limits) == 8 and sum(limits) <= 600 - 20, limits
