@@ -371,3 +371,23 @@ def bench_model(preset: str, groups=(4, 8), lengths=None, steps: int = 3, genera
 
 
 PLAN_GROUPS, PLAN_LENGTHS = (4, 8, 16), (256, 512, 1024, 2048)
+
+
+def peak_agrees(plan, allocated_gb: float, within: float = 0.25) -> tuple[bool, str]:
+    """A run's measured peak against the plan's estimate of the same thing, and the line that says so. The run
+    logs torch's `max_memory_allocated` (`mem/peak_gb`): no CUDA context, no allocator cache. The plan's peak
+    counts the context, so it is taken out; on a small model it alone was a third of the estimate.
+
+    >>> from minigrpo.plan import Plan
+    >>> small = Plan("T4", 14.75, "float16", "", "hf", "", trainer_gb=0.9, step_gb=0.3, peak_gb=1.2)
+    >>> peak_agrees(small, 0.75)
+    (True, "peak allocated memory 0.75 GB within 25% of the plan's 0.70 GB (its 1.20 GB less the CUDA context)")
+    >>> peak_agrees(small, 1.2)[0]
+    False
+    """
+    from minigrpo.plan import CUDA_CONTEXT_GB
+
+    estimate = plan.peak_gb - (CUDA_CONTEXT_GB if plan.total_gb else 0.0)
+    ok = abs(allocated_gb - estimate) <= within * estimate
+    return ok, (f"peak allocated memory {allocated_gb:.2f} GB within {within:.0%} of the plan's {estimate:.2f} GB "
+                f"(its {plan.peak_gb:.2f} GB less the CUDA context)")

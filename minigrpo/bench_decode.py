@@ -158,7 +158,8 @@ def measure(generator, rows: int, repeats: int = 2, lengths: tuple[int, int] = (
     return figures
 
 
-def decode_agreement(policy, rows: int = 8, new_tokens: int = 24, tolerance: float = 1e-2) -> list[tuple[str, bool, str]]:
+def decode_agreement(policy, rows: int = 8, new_tokens: int = 24,
+                     tolerance: float = 1e-2) -> list[tuple[str, bool, str]]:
     """Does the fixed-shape loop (a captured CUDA graph on a card) decode what the eager loop and the trainer do?
     Greedy tokens equal the eager loop's (where a row parts, only at a tie the precision decides: the trainer's
     log-probs of both tokens within `tolerance`); sampled tokens' log-probs within `tolerance` of the trainer's
@@ -198,7 +199,8 @@ def decode_agreement(policy, rows: int = 8, new_tokens: int = 24, tolerance: flo
         gap = (logps[mask] - ours).abs()
         return gap.mean().item() < tolerance, f"mean {gap.mean().item():.2g}, max {gap.max().item():.2g} per token"
 
-    results = [("greedy tokens, fixed-shape = eager", *greedy()), ("sampled log-probs, fixed-shape = trainer", *sampled())]
+    results = [("greedy tokens, fixed-shape = eager", *greedy()),
+               ("sampled log-probs, fixed-shape = trainer", *sampled())]
     policy.train()  # one optimizer step on the adapter, as training takes, then the refresh `sync` makes
     optimizer = torch.optim.SGD(lora_parameters(policy), lr=0.5)
     ids = torch.tensor([prompts[0]], device=policy.device)

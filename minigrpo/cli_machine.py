@@ -30,7 +30,7 @@ def plan_command(
     generator: str = typer.Option("auto", help="vllm | hf | auto."),
     dtype: str = typer.Option("auto", help="auto | bfloat16 | float16 | float32."),
     load_in_4bit: bool = typer.Option(True, "--4bit/--no-4bit", help="nf4 base, or 16-bit."),
-    eval_every: int = typer.Option(TRAIN.eval_every, help="As train's: a sampled evaluation decodes prompts x samples."),
+    eval_every: int = typer.Option(TRAIN.eval_every, help="As train's: a sampled evaluation, prompts x samples."),
     eval_prompts: int = typer.Option(TRAIN.eval_prompts, help="Held-out prompts an evaluation decodes at once."),
     eval_samples: int = typer.Option(TRAIN.eval_samples, help="Samples per held-out prompt (with --eval-every)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per card, for scripts."),
@@ -39,7 +39,7 @@ def plan_command(
     on this machine's GPU by default, else on every known card."""
     import json
 
-    from minigrpo.plan import plans_for, print_plans
+    from minigrpo.plan import plans_for
 
     try:
         cfg = TrainConfig(model=model, num_generations=num_generations, prompts_per_step=prompts_per_step,
@@ -54,6 +54,35 @@ def plan_command(
             print(json.dumps({"model": model, "gpu": label, **p.to_dict()}))
         return
     print_plans(cfg, plans, Console(width=max(Console().width, 110)))
+
+
+def print_plans(cfg, plans: dict, console) -> None:
+    """`minigrpo plan`'s table, one row per card, and what each row's choices rest on."""
+    from rich.table import Table
+
+    table = Table(title=f"{cfg.model}: G={cfg.num_generations} x {cfg.prompts_per_step} prompts, {cfg.max_new_tokens} "
+                        f"new tokens, LoRA r{cfg.lora_rank}, micro-batch {cfg.micro_batch_size}; estimates in GB")
+    for column in ("gpu", "GB", "dtype", "generator", "share", "KV tokens", "sleeps", "trainer", "step", "peak", "fits"):
+        table.add_column(column, no_wrap=True)
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+    for label, p in plans.items():
+        vllm = p.generator == "vllm" and p.engine_share is not None
+        table.add_row(label, f"{p.total_gb:.1f}", short[p.dtype], p.generator, f"{p.engine_share:.2f}" if vllm else "-",
+                      str(p.kv_tokens) if vllm else "-", ("yes" if p.sleep else "no") if vllm else "-",
+                      f"{p.trainer_gb:.1f}", f"{p.step_gb:.1f}", f"{p.peak_gb:.1f}",
+                      "[green]yes[/]" if p.fits else "[red]no[/]")
+    console.print(table)
+    for label, p in plans.items():
+        notes = ([p.generator_reason] if p.generator == "hf" or not p.fits else []) + p.advice
+        if len(plans) == 1:
+            notes.insert(0, f"{p.card}; dtype {p.dtype}: {p.dtype_reason}")
+        if p.sleep:
+            notes.append(f"the sleeping engine keeps {p.host_gb:.1f} GB in host RAM")
+        if notes:
+            console.print(f"[bold]{label}[/]: " + "; ".join(notes), highlight=False)
+    console.print("trainer: 4-bit base, adapter, gradients, AdamW moments, cuda context; step: what a step adds "
+                  "(the largest decode's cache, or the cache kept and one micro-batch of training); share: the "
+                  "vLLM engine's gpu_memory_utilization (its 16-bit base, LoRA slot, workspace, KV cache).", highlight=False)
 
 
 @machine_app.command()

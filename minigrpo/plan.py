@@ -342,23 +342,6 @@ def engine_plan(sizes: Sizes, gpu: Gpu, s: Settings, nbytes: int, trainer: float
                 tokens, sleep, host, max(awake_peak, training_peak), fits)
 
 
-def peak_agrees(plan: Plan, allocated_gb: float, within: float = 0.25) -> tuple[bool, str]:
-    """A run's measured peak against the plan's estimate of the same thing, and the line that says so. The run
-    logs torch's `max_memory_allocated` (`mem/peak_gb`): no CUDA context, no allocator cache. The plan's peak
-    counts the context, so it is taken out; on a small model it alone was a third of the estimate.
-
-    >>> small = Plan("T4", 14.75, "float16", "", "hf", "", trainer_gb=0.9, step_gb=0.3, peak_gb=1.2)
-    >>> peak_agrees(small, 0.75)
-    (True, "peak allocated memory 0.75 GB within 25% of the plan's 0.70 GB (its 1.20 GB less the CUDA context)")
-    >>> peak_agrees(small, 1.2)[0]
-    False
-    """
-    estimate = plan.peak_gb - (CUDA_CONTEXT_GB if plan.total_gb else 0.0)
-    ok = abs(allocated_gb - estimate) <= within * estimate
-    return ok, (f"peak allocated memory {allocated_gb:.2f} GB within {within:.0%} of the plan's {estimate:.2f} GB "
-                f"(its {plan.peak_gb:.2f} GB less the CUDA context)")
-
-
 FLAGS = {"micro_batch_size": "--micro-batch-size", "generator": "--generator", "new_tokens": "--max-new-tokens",
          "prompts": "--prompts-per-step", "eval_prompts": "--eval-prompts"}
 
@@ -406,32 +389,3 @@ def plans_for(cfg, gpu: str | None, gpu_memory: float | None) -> dict[str, Plan]
              {"this GPU": here} if here else dict(CARDS))
     installed = vllm_available() if here else True  # for another machine's card, assume it will have vLLM
     return {label: make_plan(shape_of(cfg), c, Settings.of(cfg), installed) for label, c in cards.items()}
-
-
-def print_plans(cfg, plans: dict[str, Plan], console) -> None:
-    """`minigrpo plan`'s table, one row per card, and what each row's choices rest on."""
-    from rich.table import Table
-
-    table = Table(title=f"{cfg.model}: G={cfg.num_generations} x {cfg.prompts_per_step} prompts, {cfg.max_new_tokens} "
-                        f"new tokens, LoRA r{cfg.lora_rank}, micro-batch {cfg.micro_batch_size}; estimates in GB")
-    for column in ("gpu", "GB", "dtype", "generator", "share", "KV tokens", "sleeps", "trainer", "step", "peak", "fits"):
-        table.add_column(column, no_wrap=True)
-    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-    for label, p in plans.items():
-        vllm = p.generator == "vllm" and p.engine_share is not None
-        table.add_row(label, f"{p.total_gb:.1f}", short[p.dtype], p.generator, f"{p.engine_share:.2f}" if vllm else "-",
-                      str(p.kv_tokens) if vllm else "-", ("yes" if p.sleep else "no") if vllm else "-",
-                      f"{p.trainer_gb:.1f}", f"{p.step_gb:.1f}", f"{p.peak_gb:.1f}",
-                      "[green]yes[/]" if p.fits else "[red]no[/]")
-    console.print(table)
-    for label, p in plans.items():
-        notes = ([p.generator_reason] if p.generator == "hf" or not p.fits else []) + p.advice
-        if len(plans) == 1:
-            notes.insert(0, f"{p.card}; dtype {p.dtype}: {p.dtype_reason}")
-        if p.sleep:
-            notes.append(f"the sleeping engine keeps {p.host_gb:.1f} GB in host RAM")
-        if notes:
-            console.print(f"[bold]{label}[/]: " + "; ".join(notes), highlight=False)
-    console.print("trainer: 4-bit base, adapter, gradients, AdamW moments, cuda context; step: what a step adds "
-                  "(generation cache or one micro-batch of training); share: the vLLM engine's "
-                  "gpu_memory_utilization (its 16-bit base, LoRA slot, workspace, KV cache).", highlight=False)

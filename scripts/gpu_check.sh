@@ -125,7 +125,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from minigrpo.config import TrainConfig
-from minigrpo.plan import peak_agrees, plans_for
+from minigrpo.bench import peak_agrees
+from minigrpo.plan import plans_for
 from minigrpo.train import GAP_WARNING
 run = Path(sys.argv[1])
 steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
