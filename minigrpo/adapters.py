@@ -1,15 +1,69 @@
 """Adapters a run starts from or compares with: an SFT warm-up's weights loaded into the fresh adapter
 (`--init-adapter`), and a reference adapter (`--reference-adapter`) whose weights are swapped into the policy's
 adapter for the reference pass only, so the KL's reference costs one more set of LoRA weights, not a model.
-Both must have the policy adapter's shape (the same model, rank and layers).
+Both must have the policy adapter's shape (the same model, rank and layers); one made with another `lora_alpha`
+keeps its own effect (its B is rescaled to the run's scale), and a folder that is not a whole adapter, or one made
+for another model, is named in one line before the model loads (`check_adapter`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 from pathlib import Path
 
 import torch
+
+FLAGS = {"init_adapter": "--init-adapter", "reference_adapter": "--reference-adapter"}
+
+
+def adapter_settings(folder: str | Path, flag: str) -> dict:
+    """An adapter folder's adapter_config.json, or a one-line error naming the flag, the folder and what is wrong."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {folder}: no such folder; give an adapter folder (runs/<run>/adapter)")
+    config = folder / "adapter_config.json"
+    if not config.is_file():
+        raise ValueError(f"{flag} {folder}: no adapter_config.json in it, so it is not an adapter folder")
+    try:
+        settings = json.loads(config.read_text())
+    except ValueError as error:
+        raise ValueError(f"{flag} {folder}: its adapter_config.json is not valid JSON ({error})") from None
+    if not isinstance(settings, dict) or not settings.get("r"):
+        raise ValueError(f"{flag} {folder}: its adapter_config.json has no LoRA rank (r): not a LoRA adapter")
+    if not any((folder / name).is_file() for name in ("adapter_model.safetensors", "adapter_model.bin")):
+        raise ValueError(f"{flag} {folder}: no adapter weights in it (adapter_model.safetensors)")
+    return settings
+
+
+def lora_scale(settings: dict) -> float:
+    """The factor PEFT multiplies an adapter's B A by: alpha / r, or alpha / sqrt(r) with rsLoRA.
+
+    >>> lora_scale({"r": 16, "lora_alpha": 32}), lora_scale({"r": 16, "lora_alpha": 8}), lora_scale({"r": 16})
+    (2.0, 0.5, 0.5)
+    """
+    r, alpha = settings["r"], settings.get("lora_alpha", 8)  # PEFT's default alpha is 8
+    return alpha / (math.sqrt(r) if settings.get("use_rslora") else r)
+
+
+def check_adapter(cfg) -> None:
+    """Before the model loads: each adapter the run names is a whole adapter folder, made for this run's model."""
+    for field, flag in FLAGS.items():
+        folder = getattr(cfg, field)
+        if not folder:
+            continue
+        base = adapter_settings(folder, flag).get("base_model_name_or_path")
+        if base and not _same_model(base, cfg.hub_id):
+            raise ValueError(f"{flag} {folder} was made for {base}, and this run trains {cfg.hub_id}: give an "
+                             f"adapter of {cfg.model}, or --model for the adapter's base")
+
+
+def _same_model(base: str, hub_id: str) -> bool:
+    """Whether an adapter's recorded base names this run's model: the same hub id, folder, or model name (a hub
+    id and a local copy of it name the model by their last part)."""
+    name = lambda x: Path(str(x).rstrip("/")).name.lower()  # noqa: E731
+    return base == hub_id or name(base) == name(hub_id) or Path(base).resolve() == Path(hub_id).resolve()
 
 
 def start_from(policy, init_adapter: str | None, reference_adapter: str | None):
@@ -32,8 +86,12 @@ def load_adapter_weights(model, folder: str | Path, flag: str) -> None:
     from peft import set_peft_model_state_dict
     from peft.utils import load_peft_weights
 
+    theirs, ours = lora_scale(adapter_settings(folder, flag)), lora_scale(vars(model.peft_config["default"]))
+    weights = load_peft_weights(str(folder), device=str(model.device))
+    if not math.isclose(theirs, ours):  # its effect, B A x its scale, kept at this run's scale
+        weights = {k: v * (theirs / ours) if "lora_B" in k else v for k, v in weights.items()}
     try:
-        result = set_peft_model_state_dict(model, load_peft_weights(str(folder), device=str(model.device)))
+        result = set_peft_model_state_dict(model, weights)
     except RuntimeError as error:  # a size mismatch: another rank or model
         raise ValueError(f"{flag} {folder} does not fit this model's adapter: {str(error).splitlines()[-1].strip()}"
                          ) from None

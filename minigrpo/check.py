@@ -104,7 +104,9 @@ def check_rewards(task: Task, rows: list[dict], completions: list, judge_spread:
             report["zeros"] = sum(v == 0 for v in values) / len(values)
         if report["errors"]:
             report["warnings"].append(f"raised on {report['errors']} of {len(completions)} completions")
-        if not judge_spread:
+        if not values and not report["errors"]:
+            report["warnings"].append("returned None for every completion: it scores none of them")
+        elif not judge_spread:
             pass
         elif values and all(v == 0 for v in values):
             report["warnings"].append("always zero: no group will have spread, nothing is learned")

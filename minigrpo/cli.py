@@ -96,6 +96,9 @@ def eval_command(
     from minigrpo.run import results_folder
     from minigrpo.tasks import check_sandbox, get_task
     
+    for flag, value in (("--prompts", prompts), ("--samples", samples)):
+        if value < 1:
+            raise ValueError(f"{flag} {value}: give at least 1")
     t = get_task(task, reward, extra_tools=tool)
     check_sandbox(t, allow_unconfined_code, Console().print)
     adapter = adapter and adapter_folder(adapter)
@@ -174,7 +177,8 @@ def check_reward(
     allow_unconfined_code: bool = typer.Option(False, help=UNCONFINED_HELP),
 ) -> None:
     """Run the rewards on worked examples and on sampled completions; warn about broken or useless ones."""
-    from minigrpo.check import check_task
+    from minigrpo.check import check_task, precheck_rewards
+    from minigrpo.scoring import RewardError
     from minigrpo.tasks import check_sandbox, get_task
 
     console = Console()
@@ -182,8 +186,13 @@ def check_reward(
         raise typer.BadParameter("give --task (or --environment, whose reset() writes the prompts)")
     t = get_task(task or "environment", reward, extra_tools=tool, environment=environment)
     check_sandbox(t, allow_unconfined_code, console.print)
-    check_task(t, t.make_data("train", seed)[:prompts], console, None if no_model else model, samples,
-               max_new_tokens, seed, max_turns, max_prompt_tokens, tokenizer_of=model)
+    rows = t.make_data("train", seed)
+    check_task(t, rows[:prompts], console, None if no_model else model, samples, max_new_tokens, seed, max_turns,
+               max_prompt_tokens, tokenizer_of=model)
+    try:  # the checks train makes before it loads a model: where they stop it, this command fails too
+        precheck_rewards(t, t.weights or [1.0] * len(t.rewards), rows[:prompts])
+    except RewardError as error:
+        raise ValueError(f"train would stop here, before loading the model: {error}") from None
 
 
 @app.command()
@@ -241,7 +250,7 @@ def main() -> None:
     # bitsandbytes logs a note about an optional kernel package when anything imports it (transformers' trainer
     # module does, for a reward's TrainerState): not for a user's screen
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-    if sys.argv[1:2] == ["train"]:  # watched: see minigrpo/supervise.py
+    if sys.argv[1:2] and sys.argv[1] in supervise.WATCHED:  # commands that run user code: supervise.py
         code = supervise.watch(sys.argv)
         if code is not None:
             sys.exit(code)

@@ -260,7 +260,11 @@ class TrainConfig:
         if not settings.is_file():
             raise ValueError(f"bad config: {flag} {folder} is not an adapter folder (no adapter_config.json); give "
                              f"a run's adapter/ or `minigrpo sft`'s output")
-        rank = json.loads(settings.read_text()).get("r")
+        try:
+            rank = json.loads(settings.read_text()).get("r")
+        except (ValueError, AttributeError):
+            raise ValueError(f"{flag} {folder}: its adapter_config.json is not valid JSON (an object with its LoRA "
+                             f"rank, r)") from None
         if rank != self.lora_rank:
             raise ValueError(f"bad config: {flag} {folder} has LoRA rank {rank} and this run's adapter rank "
                              f"{self.lora_rank}; give --lora-rank {rank}")

@@ -28,6 +28,7 @@ class Display:
         )
         self.task = self.progress.add_task("training", total=total_steps)
         self.rewards: deque[float] = deque(maxlen=SMOOTHING)
+        self.warned: set[str] = set()  # warnings about the run as a whole, said once
 
     def __enter__(self) -> "Display":
         self.progress.start()

@@ -60,6 +60,11 @@ def fork_config(spec: str, given: dict) -> TrainConfig:
         if name in given and given[name] != fields.get(name):
             raise ValueError(f"--fork {spec}: the checkpoint's adapter was made with --{name.replace('_', '-')} "
                              f"{fields.get(name)}; a fork keeps it (start a new run to change it)")
+    for name in ("task", "seed"):  # the checkpoint's prompt pool holds that task's rows, drawn by that seed
+        if name in given and given[name] != fields.get(name):
+            raise ValueError(f"--fork {spec}: the checkpoint's prompt pool holds the rows of --task "
+                             f"{fields.get('task')} (seed {fields.get('seed')}); a fork keeps --{name}. For another, "
+                             f"start a new run from its adapter: --init-adapter {kept(spec) / 'adapter'}")
     if "loss" in given or "advantage" in given:  # the knobs the old preset filled in give way to the new one's
         for knob in {k for preset in PRESETS.values() for k in preset} - set(given):
             fields[knob] = None

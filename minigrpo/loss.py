@@ -98,10 +98,19 @@ def combined_rewards(values: torch.Tensor, weights: torch.Tensor, group_size: in
     return (weights[:, None, None] * normal).sum(dim=0).view(-1)  # [B]
 
 
-def groups_with_spread(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """True for each group whose rewards are not all equal: the only groups that carry a gradient."""
+def groups_with_spread(rewards: torch.Tensor, group_size: int, estimator: str = "grpo",
+                       eps: float = 1e-4) -> torch.Tensor:
+    """True for each group that carries a gradient: its rewards are not all equal, and for "maxrl", whose divisor
+    is the group's mean success, that mean is above 0 (a group of rewards at or below 0 gets advantage 0).
+
+    >>> groups_with_spread(torch.tensor([1., 0., -1., 0., 0., 0.]), group_size=2).tolist()
+    [True, True, False]
+    >>> groups_with_spread(torch.tensor([1., 0., -1., 0., 0., 0.]), group_size=2, estimator="maxrl").tolist()
+    [True, False, False]
+    """
     grouped = rewards.view(-1, group_size)  # [P, G]
-    return (grouped.max(dim=1).values - grouped.min(dim=1).values) > 1e-6  # [P]
+    differs = (grouped.max(dim=1).values - grouped.min(dim=1).values) > 1e-6  # [P]
+    return differs & (grouped.mean(dim=1) > eps) if estimator == "maxrl" else differs  # [P]
 
 
 def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.Tensor | None,

@@ -268,6 +268,11 @@ def adapter_folder(path: str | Path) -> Path:
     for folder in (path, path / "adapter"):
         if (folder / "adapter_config.json").exists():
             return folder
+    saved = sorted(path.glob("checkpoints/step-*/adapter/adapter_config.json"))
+    if (path / "config.json").exists():  # a run folder that ended before saving its final adapter
+        raise ValueError(f"{path} is a run with no final adapter (it stopped before its end)" + (
+            f": its last checkpoint's is {saved[-1].parent}, or continue it with minigrpo train --resume {path}"
+            if saved else " and no checkpoint yet: continue it with minigrpo train --resume " + str(path)))
     raise ValueError(f"{path} is not a trained adapter: expected a folder with adapter_config.json, such as "
                      f"runs/<run>/adapter (or the run folder itself)")
 

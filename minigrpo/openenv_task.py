@@ -21,11 +21,15 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections import Counter
 
 EXTRA = "pip install 'minigrpo[openenv]'"
 DEFAULT_SIZE = 64
 TIMEOUT_S = 30.0
 HELD_OUT_SEEDS = 500_000  # where the held-out seeds start, above any training seed
+# a reset that ignores its seed is caught by asking each of these seeds several times: a server with k observations
+# passes by chance with probability k^-(seeds x (resets - 1)), 1 in 15,625 for five
+SEED_CHECKS, RESETS_PER_SEED = (0, 1, 2), 3
 SKIPPED = {"reward", "done", "metadata"}  # an Action's fields that are OpenEnv's, not the environment's
 
 
@@ -66,10 +70,11 @@ def fields_from_spec(spec: str) -> dict:
     _library()
     schema, name = _describe(url, timeout)
     text_field = _text_field(schema)
-    first = _first_observation(url, 0, timeout)
-    if _first_observation(url, 0, timeout) != first:
-        raise ValueError(f"--task {spec}: the server's reset(seed=0) answered two different observations; an "
-                         f"episode is matched to its prompt by seed, so its reset must honour the seed")
+    for seed in SEED_CHECKS:  # several seeds, several resets each: a server with few observations seldom fools it
+        answers = [_first_observation(url, seed, timeout) for _ in range(RESETS_PER_SEED)]
+        if any(answer != answers[0] for answer in answers):
+            raise ValueError(f"--task {spec}: the server's reset(seed={seed}) answered different observations; "
+                             f"an episode is matched to its prompt by seed, so its reset must honour the seed")
     ask = "" if text_field else f"\n\nReply with a JSON object of the action: {json.dumps(schema)}"
 
     def make_data(split: str, seed: int) -> list[dict]:
@@ -81,16 +86,22 @@ def fields_from_spec(spec: str) -> dict:
     def reward(completions, openenv_seed, log_metric=None, **columns) -> list:
         from minigrpo.scoring import text_of, time_left
 
-        out = []
+        out, failed = [], Counter()
         for completion, seed in zip(completions, openenv_seed):
             left = time_left()  # the reward's own time limit, where one runs (0.0 once it is spent)
             limit = timeout if left is None else min(timeout, left)
+            if limit <= 0:  # the reward's time is spent: no episode is started, so none can outlive it
+                failed["timeout"] += 1
+                out.append(EpisodeError("timeout", "the reward's time limit was spent before this episode"))
+                continue
             try:
                 out.append(_run(_episode(url, seed, _action(text_of(completion), text_field), limit), limit))
             except EpisodeError as error:
-                if log_metric is not None:
-                    log_metric(f"openenv/{error.kind}", 1.0)
+                failed[error.kind] += 1
                 out.append(error)
+        for kind, count in failed.items():  # counts of this batch's episodes (a step's metrics average its calls)
+            if log_metric is not None:
+                log_metric(f"openenv/{kind}", float(count))
         return out
 
     reward.__name__ = f"openenv_{re.sub(r'[^0-9A-Za-z_]+', '_', name)}"

@@ -35,6 +35,11 @@ def task_fields(name: str, size: int = DEFAULT_SIZE, seed: int | None = None, sy
                 shots: int = 0, **options) -> dict:
     """The fields of a minigrpo Task for reasoning-gym's generator `name` with its `options` (see the module;
     `minigrpo.tasks.get_task` makes the Task)."""
+    for option, value, low in (("size", size, 1), ("shots", shots, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"rg:{name}: {option}={value!r} must be a whole number, at least {low}")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise ValueError(f"rg:{name}: seed={seed!r} must be a whole number (or left out: the run's --seed)")
     rg = _library()
     if name not in rg.factory.DATASETS:
         close = difflib.get_close_matches(name, list(rg.factory.DATASETS), n=3)

@@ -161,10 +161,12 @@ def collect(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, weigh
     state = trainer_state(done, cfg.steps, done * cfg.prompts_per_step / len(prompts.rows))
     batch = rollout(cfg, tokenizer, generator, task, weights, prompts.draw(cfg.prompts_per_step), state)
     prompts.record(batch.rows, batch.scores.totals, G, cfg.solved_reward)
-    spread = L.groups_with_spread(torch.tensor(batch.scores.totals), G).tolist()
+    spread = L.groups_with_spread(torch.tensor(batch.scores.totals), G, cfg.advantage).tolist()
     info = {"frac_groups_reward_differs": float(np.mean(spread)), "filter/extra_rounds": 0,
             "tokens_generated": generated_tokens(batch),
             "generate_s": batch.generate_s, "reward_s": batch.reward_s}
+    if cfg.advantage == "maxrl":  # it reads rewards as successes in [0, 1]: a reward below 0 is out of its reach
+        info["maxrl/groups_below_zero"] = int((torch.tensor(batch.scores.totals).view(-1, G) < 0).any(1).sum())
     if not cfg.filter_groups:
         return batch, info | episode_metrics(batch.episode_stats)
     kept = batch.select([i for i, s in enumerate(spread) if s], G)
@@ -175,7 +177,7 @@ def collect(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, weigh
         info["tokens_generated"] += generated_tokens(more)
         info["generate_s"] += more.generate_s
         info["reward_s"] += more.reward_s
-        spread = L.groups_with_spread(torch.tensor(more.scores.totals), G).tolist()
+        spread = L.groups_with_spread(torch.tensor(more.scores.totals), G, cfg.advantage).tolist()
         kept = kept + more.select([i for i, s in enumerate(spread) if s], G)
     kept = kept.select(list(range(min(len(kept.rows), cfg.prompts_per_step))), G)
     info["filter/groups_trained"] = len(kept.rows)

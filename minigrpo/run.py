@@ -19,10 +19,38 @@ from minigrpo.config import TrainConfig
 from minigrpo.tasks import DATA_SUFFIXES
 
 
+LOCK_FILE = ".lock"  # held by the process writing the folder; its text names that process
+
+
 class RunFolder:
     def __init__(self, path: Path, report_to: list[str] = ()):
         self.path = Path(path)
         self.reporters = [_reporter(name, self.path) for name in report_to]
+        self.lock_fd: int | None = None
+
+    def lock(self) -> None:
+        """Be the one process writing this folder (a second `--resume` of it, or a run still going after its
+        caller gave up on it, is refused in one line naming the other). A POSIX lock: the kernel drops it when its
+        process ends, however it ends, and the processes it forks do not hold it."""
+        import fcntl
+
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise ValueError(f"{self.path} is being written by {holder}: wait for it to end, or stop it, then run "
+                             f"this again (nothing was written)") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"minigrpo process {os.getpid()} (since {time.strftime('%H:%M:%S')})".encode())
+        self.lock_fd = fd
+
+    def unlock(self) -> None:
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)  # closing it drops the lock; the file stays, empty of meaning
+            self.lock_fd = None
 
     @classmethod
     def claim(cls, cfg: TrainConfig) -> "RunFolder":
@@ -41,7 +69,7 @@ class RunFolder:
         return cls(path, cfg.report_to)
 
     def start(self, cfg: TrainConfig) -> None:
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.lock()
         cfg.save(self.path / "config.json")
 
     def log(self, metrics: dict, samples: list[dict]) -> None:
@@ -74,6 +102,8 @@ def usable_or_fail(path: Path, flag: str, may_hold_results: bool) -> None:
     if path.exists() and not path.is_dir():
         raise ValueError(f"{flag} {path} is a file; give a folder")
     ours = may_hold_results and ((path / "config.json").exists() or (path / "eval.jsonl").exists())
+    if not may_hold_results and (path / "config.json").exists():
+        raise ValueError(f"{flag} {path} is a training run's folder; give a new folder (nothing was written)")
     if path.is_dir() and any(path.iterdir()) and not ours:
         raise ValueError(f"{flag} {path} is not empty and not a run folder; pick a "
                          f"new folder (nothing was written)")

@@ -39,6 +39,9 @@ def read_examples(path: Path) -> list[Example]:
     for row, place in zip(rows, places):
         if "messages" in row and isinstance(row["messages"], list) and row["messages"]:
             *before, last = row["messages"]
+            if not all(isinstance(m, dict) and "role" in m for m in row["messages"]):
+                raise ValueError(f"{place}: each item of `messages` must be a message, "
+                                 f"{{\"role\": ..., \"content\": ...}}")
             if last.get("role") != "assistant" or not before:
                 raise ValueError(f"{place}: the last of `messages` must be the assistant's answer, after a prompt")
             out.append(Example(before, str(last.get("content", ""))))
@@ -64,6 +67,27 @@ def token_rows(tokenizer, examples: list[Example]) -> list[tuple[list[int], list
              tokenizer(e.completion, add_special_tokens=False).input_ids + end) for e in examples]
 
 
+def sized_for(cfg: TrainConfig, examples: list[Example], data: Path) -> list[tuple[list[int], list[int]]]:
+    """The examples as token rows, and `cfg` sized for the longest (a micro-batch pads its prompts and its
+    completions to their longest): the plan's memory, the attention kind and checkpointing follow the data, not
+    GRPO's lengths. An example longer than the model's context is refused with its length."""
+    from transformers import AutoConfig
+
+    from minigrpo.model import load_tokenizer
+    from minigrpo.weights import resolve_weights
+
+    weights = resolve_weights(cfg.hub_id)
+    rows = token_rows(load_tokenizer(weights), examples)
+    context = getattr(AutoConfig.from_pretrained(weights), "max_position_embeddings", None)
+    for i, (prompt, completion) in enumerate(rows, 1):
+        if context and len(prompt) + len(completion) > context:
+            raise ValueError(f"{data}, example {i}: {len(prompt) + len(completion)} tokens, more than {cfg.model}'s "
+                             f"context of {context}: shorten it or leave it out")
+    cfg.max_prompt_tokens = max(len(p) for p, _ in rows)
+    cfg.max_new_tokens = max(len(c) for _, c in rows)
+    return rows
+
+
 def sft(cfg: TrainConfig, data: Path, out: Path, epochs: int = 3, say=print) -> Path:
     """Train the adapter on `data` for `epochs` passes; write it to out/adapter and the record to out/sft.json."""
     from minigrpo.model import default_dtype, lora_parameters, pad_batch, seed_everything, token_logprobs
@@ -74,9 +98,9 @@ def sft(cfg: TrainConfig, data: Path, out: Path, epochs: int = 3, say=print) -> 
     usable_or_fail(Path(out), "--out", may_hold_results=False)
     seed_everything(cfg.seed)
     cfg.generator = "hf"  # nothing is generated: no engine is started
-    loaded = load_for_training(cfg, say)
+    rows = sized_for(cfg, examples, Path(data))
+    loaded = load_for_training(cfg, say, longest_prompt=cfg.max_prompt_tokens)
     model, tokenizer = loaded.model, loaded.tokenizer
-    rows = token_rows(tokenizer, examples)
     optimizer = torch.optim.AdamW(lora_parameters(model), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     order, losses, started = list(range(len(rows))), [], time.perf_counter()
     model.train()
@@ -99,6 +123,8 @@ def sft(cfg: TrainConfig, data: Path, out: Path, epochs: int = 3, say=print) -> 
     model.save_pretrained(Path(out) / "adapter")
     record = {"model": cfg.model, "data": str(data), "examples": len(rows), "epochs": epochs,
               "learning_rate": cfg.learning_rate, "lora_rank": cfg.lora_rank, "losses": losses,
+              "longest_tokens": cfg.max_prompt_tokens + cfg.max_new_tokens,
+              "gradient_checkpointing": cfg.gradient_checkpointing,
               "seconds": round(time.perf_counter() - started, 1), "dtype": str(default_dtype(cfg.dtype))}
     (Path(out) / "sft.json").write_text(json.dumps(record, indent=2) + "\n")
     return Path(out) / "adapter"

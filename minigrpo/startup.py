@@ -77,15 +77,17 @@ def check_lengths(cfg: TrainConfig, task: Task, tokenizer, context: int | None) 
     return max(lengths, default=0)
 
 
-def load_for_training(cfg: TrainConfig, say=print, task: Task | None = None) -> Loaded:
-    """The policy, tokenizer and generator; with `task`, its prompts are checked against the budgets first."""
+def load_for_training(cfg: TrainConfig, say=print, task: Task | None = None,
+                      longest_prompt: int | None = None) -> Loaded:
+    """The policy, tokenizer and generator; with `task`, its prompts are checked against the budgets first (with
+    `longest_prompt`, the memory is planned for prompts that long)."""
     from transformers import AutoConfig
 
     gpu = this_gpu()
     weights = resolve_weights(cfg.hub_id)
     model_config = AutoConfig.from_pretrained(weights)
     tokenizer = load_tokenizer(weights)
-    longest = None
+    longest = longest_prompt
     if task is not None:
         longest = check_lengths(cfg, task, tokenizer, getattr(model_config, "max_position_embeddings", None)) or None
     plan = plan_run(cfg, model_config, gpu, say, prompt_tokens=longest)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from minigrpo import checkpoint, fork, judge
+from minigrpo.adapters import check_adapter
 from minigrpo import loss as L
 from minigrpo.check import precheck_rewards
 from minigrpo.config import PRESETS, TrainConfig
@@ -58,9 +59,19 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
     # a broken reward, a bad row, a folder that is not ours, weights out of reach: all stop here, before any
     # model loads or a run folder is made
     notes = precheck_rewards(task, weights, train_rows, cfg.reward_timeout)
+    check_adapter(cfg)
     notes += filter(None, [settle_evaluation(cfg, task, train_rows)])
     resolve_weights(cfg.hub_id)
     run = RunFolder(Path(cfg.output_dir), cfg.report_to) if resume else RunFolder.claim(cfg)
+    if resume:
+        run.lock()  # before the model loads: a second process on this folder stops here, in one line
+    try:
+        return _load_and_train(cfg, resume, task, weights, train_rows, notes, run)
+    finally:
+        run.unlock()
+
+
+def _load_and_train(cfg, resume, task, weights, train_rows, notes, run) -> Path:
     display = Display(cfg.steps)
     display.print(f"[bold]minigrpo[/] {cfg.model} on {task.name}: {cfg.prompts_per_step} prompts x "
                   f"{cfg.num_generations} completions per step, {cfg.steps} step{'s' * (cfg.steps != 1)} -> {run.path}")
@@ -173,6 +184,11 @@ def check_health(cfg: TrainConfig, metrics: dict, bad_in_a_row: int, display: Di
         raise RuntimeError(f"{bad_in_a_row} steps in a row had a NaN or inf loss or gradient: lower "
                            f"--learning-rate (now {cfg.learning_rate:g}) or check the rewards for "
                            f"extreme values; the last good state is saved in {where}")
+    if metrics.get("maxrl/groups_below_zero") and "maxrl" not in display.warned:
+        display.warned.add("maxrl")  # once a run: it is a property of the rewards, not of one step
+        display.print(f"[yellow]warning[/]: step {metrics['step']}: {metrics['maxrl/groups_below_zero']} group(s) had "
+                      f"rewards below 0; --advantage maxrl reads rewards as successes in [0, 1] and gives a group "
+                      f"whose mean is 0 or less advantage 0: use --advantage grpo or rloo with such rewards")
     if metrics.get("sampler_logprob_gap/mean", 0.0) > GAP_WARNING:
         display.print(f"[bold red]warning[/]: the generator's log-probs differ from the trainer's by "
                       f"{metrics['sampler_logprob_gap/mean']:.3f} per token on average: its weights "

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import importlib.util
 import inspect
 import json
 import pkgutil
@@ -47,9 +48,15 @@ def fields_from_spec(spec: str) -> dict:
     vf = _library()
     taskset, env = _taskset(name, options, vf)
     tasks = functools.cache(lambda: _tasks(taskset, size))
-    probe = next(iter(taskset.take(1)), None)
+    try:
+        probe = next(iter(taskset.take(1)), None)
+    except Exception as error:  # its own load(): a download offline, a missing file
+        raise ValueError(f"vf:{name}: the taskset could not load its tasks ({_first_line(error)})") from None
     if probe is None:
         raise ValueError(f"vf:{name}: the taskset yields no tasks")
+    if all(m["role"] == "system" for m in messages(probe.data)):
+        raise ValueError(f"vf:{name}: its tasks carry no prompt (its Env's run() writes the first turn), and "
+                         f"minigrpo starts every episode from the task's prompt: give its tasks a prompt")
     refusal = unsupported(taskset, probe, env, vf)
     if refusal:
         raise ValueError(f"vf:{name}: {refusal}; minigrpo plays verifiers tasks in its own process")
@@ -144,7 +151,10 @@ def _taskset(name: str, options: dict, vf):
     if name.endswith(".py"):
         if not Path(name).is_file():
             raise FileNotFoundError(f"--task vf:{name}: no such file")
-        module = file_module(name)
+        try:
+            module = file_module(name)
+        except Exception as error:  # the file's own code, run at import
+            raise ValueError(f"--task vf:{name}: importing it raised {_first_line(error)}") from None
         found = [obj for obj in vars(module).values()
                  if isinstance(obj, type) and issubclass(obj, vf.Taskset) and obj is not vf.Taskset
                  and obj.__module__ == module.__name__]
@@ -160,8 +170,14 @@ def _taskset(name: str, options: dict, vf):
     else:
         try:
             cls, config_id, env = taskset_class(name), name, environment_class(name)
-        except ModuleNotFoundError:
-            close = difflib.get_close_matches(name.replace("-", "_"), [m.name for m in pkgutil.iter_modules()], n=3)
+        except ModuleNotFoundError as error:
+            package = name.replace("-", "_")
+            if importlib.util.find_spec(package) is not None:  # installed: its own import failed
+                while error.__cause__ or error.__context__:  # verifiers wraps the import's own error
+                    error = error.__cause__ or error.__context__
+                raise ValueError(f"--task vf:{name}: the package is installed, and importing it raised "
+                                 f"{_first_line(error)}") from None
+            close = difflib.get_close_matches(package, [m.name for m in pkgutil.iter_modules()], n=3)
             raise ValueError(f"--task vf:{name}: no verifiers taskset package {name!r} is installed"
                              + (f"; did you mean {', '.join(close)}?" if close else
                                 "; install it (`pip install NAME`) or give a file: vf:file.py")) from None
@@ -174,6 +190,13 @@ def _taskset(name: str, options: dict, vf):
         first = error.errors()[0]
         raise ValueError(f"--task vf:{name}: option {'.'.join(map(str, first['loc']))}: {first['msg']} "
                          f"(its options: size, {', '.join(config_type.model_fields)})") from None
+    except Exception as error:  # the taskset's own set-up
+        raise ValueError(f"--task vf:{name}: the taskset could not start ({_first_line(error)})") from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:200]}" if text else type(error).__name__
 
 
 def _tasks(taskset, size: int) -> list:

@@ -86,12 +86,15 @@ class _Episode:
         self._said: queue.Queue = queue.Queue()  # ("turn", message) | ("end", None) | ("error", exception)
         self._reply = None  # the future the run's current turn waits on
         self._trace, self._running = None, None
+        # run() said it ended (queued "end" or an error): its future completes a moment later, so it is not the sign
+        self._ended = False
 
     def reset(self, vf_index: int, **row) -> str | None:
         task, vf = self._tasks()[vf_index], self._vf
         self._trace = vf.Trace(task=vf.TraceTask(type=type(task).__name__, data=task.data),
                                agent=vf.AgentInfo(config=vf.AgentConfig()))
         agents = pytypes.SimpleNamespace(**{self._seat: _Seat(_Interaction(self, self._trace))})
+        self._ended = False
         self._running = asyncio.run_coroutine_threadsafe(self._play(task, agents), _loop())
         kind, said = self._next()
         if kind == "end":
@@ -103,7 +106,7 @@ class _Episode:
         return None if kind == "end" else "" if said is None else _text(said)
 
     def get_reward(self) -> float:
-        if self._running is not None and not self._running.done():  # minigrpo ended it first (a limit):
+        if self._running is not None and not self._ended:  # minigrpo ended it first (a limit):
             if self._answer(None)[0] == "turn":  # run() saw a terminated segment and still asked again
                 self._running.cancel()
         return sum(r.score * r.weight for r in self._trace.rewards.values() if r is not None)
@@ -134,7 +137,7 @@ class _Episode:
         return await self._reply
 
     def _answer(self, reply):
-        if self._running is None or self._running.done():
+        if self._running is None or self._ended or self._running.done():
             return "end", None
         _loop().call_soon_threadsafe(self._reply.set_result, reply)
         return self._next()
@@ -146,6 +149,7 @@ class _Episode:
             self._running.cancel()
             raise Unsupported(f"{type(self._env).__name__}.run() took over {TURN_TIMEOUT_S:.0f} s between two "
                               f"turns") from None
+        self._ended = kind in ("end", "error")
         if kind == "error":
             raise said
         return kind, said

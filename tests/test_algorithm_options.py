@@ -146,9 +146,11 @@ def test_a_fork_starts_from_the_parents_checkpoint_with_its_changes(tmp_path):
     assert [m["lr"] for m in metrics[1:]] == [1e-3, 1e-3]
     for flags, says in [([f"{parent}@7"], "kept no checkpoint at step 7; it kept 1, 2"),
                         ([f"{parent}@2"], "give --steps above 2"),
-                        ([f"{parent}@1", "--model", "smollm2-360m"], "a fork keeps it")]:
+                        ([f"{parent}@1", "--model", "smollm2-360m"], "a fork keeps it"),
+                        ([f"{parent}@1", "--task", "countdown", "--steps", "3"], "a fork keeps --task")]:
         result = CliRunner().invoke(app, ["train", "--fork", *flags, "--output-dir", str(tmp_path / "x")])
         assert result.exit_code != 0 and says in " ".join(result.output.split()), result.output
+        assert not (tmp_path / "x").exists(), "nothing written"
 
 
 def test_graduate_carries_what_trl_has_and_lists_what_it_has_not():
@@ -160,3 +162,80 @@ def test_graduate_carries_what_trl_has_and_lists_what_it_has_not():
     missing = " ".join(not_carried(cfg))
     assert "--advantage rloo" in missing and "--kl-estimator k2" in missing
     assert not_carried(TrainConfig()) == []
+
+
+def test_maxrl_with_rewards_below_zero_says_so_and_spread_counts_groups_with_gradient(tmp_path):
+    """A penalty below 0 (the built-in overlong one goes to -1) under --advantage maxrl: every group's advantage was
+    0 while the screen showed spread 1.00. Now "spread" is the share of groups that carry a gradient, and the run
+    warns once, naming what to use instead."""
+    from typer.testing import CliRunner
+
+    from minigrpo.cli import app
+
+    (tmp_path / "negative.py").write_text("def minus(completions, **kwargs):\n"
+                                          "    return [-float(len(c) % 2) for c in completions]\n")
+    out = tmp_path / "run"
+    result = CliRunner().invoke(app, ["train", "--advantage", "maxrl", "--reward", f"{tmp_path / 'negative.py'}:minus",
+                                      "--reward-weight", "0", "--reward-weight", "1", "--steps", "1", "-G", "4",
+                                      "--prompts-per-step", "2", "--max-new-tokens", "6", "--no-eval-before-after",
+                                      "--output-dir", str(out)])
+    assert result.exit_code == 0, result.output
+    metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert metrics["frac_groups_reward_differs"] == 0.0 and metrics["maxrl/groups_below_zero"] > 0, metrics
+    assert "--advantage maxrl reads rewards as successes in [0, 1]" in result.output.replace("\n", " "), result.output
+
+
+def test_an_adapter_made_with_another_alpha_keeps_its_own_effect(tiny_model_path, tmp_path):
+    """PEFT's default lora_alpha is 8; a run's is twice its rank. Loaded at the run's scale, such an adapter had
+    four times its effect (32/16 instead of 8/16), silently. It now acts as PEFT itself loads it."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from minigrpo.adapters import start_from
+    from minigrpo.model import load_base, load_policy
+
+    theirs = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32),
+                            LoraConfig(r=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                             "up_proj", "down_proj"], task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.02, generator=torch.Generator().manual_seed(1))
+    theirs.save_pretrained(tmp_path / "theirs")
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        peft = PeftModel.from_pretrained(load_base(tiny_model_path, False, torch.float32), str(tmp_path / "theirs"))
+        expected = peft(input_ids=ids).logits
+        with peft.disable_adapter():
+            effect = (expected - peft(input_ids=ids).logits).abs().max()
+        ours = load_policy(TrainConfig(lora_rank=16, load_in_4bit=False, dtype="float32", bf16_base=False),
+                           tiny_model_path, torch.float32)
+        got = start_from(ours, str(tmp_path / "theirs"), None)(input_ids=ids).logits
+    # the two loads may pick different attention kernels (a few 1e-3 apart); four times the effect is far more
+    assert effect > 0.5 and (got - expected).abs().max() < 0.02 * effect, ((got - expected).abs().max(), effect)
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("no weights", "no adapter weights in it"),
+    ("broken config", "its adapter_config.json is not valid JSON"),
+    ("another model", "was made for meta-llama/Llama-3.2-1B-Instruct, and this run trains"),
+])
+def test_an_adapter_folder_that_cannot_serve_is_one_line_before_the_model_loads(warmup, tmp_path, damage, says):
+    import shutil
+
+    folder = tmp_path / "adapter"
+    shutil.copytree(warmup, folder)
+    config = folder / "adapter_config.json"
+    if damage == "no weights":
+        (folder / "adapter_model.safetensors").unlink()
+    elif damage == "broken config":
+        config.write_text(config.read_text()[:-10])
+    else:
+        config.write_text(json.dumps({**json.loads(config.read_text()),
+                                      "base_model_name_or_path": "meta-llama/Llama-3.2-1B-Instruct"}))
+    for flag in ("--init-adapter", "--reference-adapter"):
+        result = CliRunner().invoke(app, ["train", *TINY, flag, str(folder), "--beta", "0.1",
+                                          "--output-dir", str(tmp_path / "run")])
+        said = " ".join(result.output.split())
+        assert result.exit_code in (1, 2) and f"{flag} {folder}" in said and says in said, result.output
+        assert "loading" not in said and "Traceback" not in said and not (tmp_path / "run").exists()

@@ -417,3 +417,32 @@ def test_a_rewards_own_alarm_does_not_reset_the_time_limit():
     with pytest.warns(UserWarning, match="ran past its time limit"):
         result = score([own_alarm], [1.0], ["p"], ["c"], [[]], [{"prompt": "p"}], timeout=1.0)
     assert result.totals == [0.0] and time.monotonic() - start < 120  # stopped, not slept out (loose on purpose)
+
+
+def test_the_misleading_lines_of_eval_and_sft_now_name_the_cause(tmp_path):
+    """eval --prompts 0 said "no held-out rows"; eval of a run that stopped before its end said it was no adapter;
+    sft --out a run folder said it was "not a run folder"; an sft `messages` row of strings was a traceback."""
+    from typer.testing import CliRunner
+
+    from minigrpo.cli import app
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-000002" / "adapter").mkdir(parents=True)
+    (run / "checkpoints" / "step-000002" / "adapter" / "adapter_config.json").write_text("{}")
+    (run / "config.json").write_text("{}")
+    rows, good = tmp_path / "rows.jsonl", tmp_path / "good.jsonl"
+    rows.write_text(json.dumps({"messages": ["hello", {"role": "assistant", "content": "hi"}]}) + "\n")
+    good.write_text(json.dumps({"prompt": "What is 1 + 1?", "completion": "2"}) + "\n")
+    long = tmp_path / "long.jsonl"  # sft sized itself for GRPO's lengths: one such example grew to 20 GB, killed
+    long.write_text(json.dumps({"prompt": "Write.", "completion": "word " * 9000}) + "\n")
+    for argv, says in [(["eval", "--task", "addition", "--prompts", "0"], "--prompts 0: give at least 1"),
+                       (["eval", "--task", "addition", "--adapter", str(run)],
+                        "is a run with no final adapter (it stopped before its end): its last checkpoint's is"),
+                       (["sft", "--task", str(good), "--out", str(run)], "is a training run's folder; give a new folder"),
+                       (["sft", "--task", str(rows), "--out", str(tmp_path / "new")],
+                        "each item of `messages` must be a message"),
+                       (["sft", "--task", str(long), "--out", str(tmp_path / "new")],
+                        "example 1: 9034 tokens, more than smollm2-135m's context of 8192")]:
+        result = CliRunner().invoke(app, argv)
+        said = " ".join(result.output.split())
+        assert result.exit_code == 1 and says in said and "Traceback" not in said, (argv, result.output)

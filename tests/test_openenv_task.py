@@ -91,8 +91,14 @@ class FindCell(Environment):
 
 
 class Unseeded(SayWord):
+    """A reset that ignores its seed: every answer differs (a counter), so the check cannot pass by chance."""
+    resets = 0
+
     def reset(self, seed=None, episode_id=None, **kwargs):
-        return super().reset(seed=random.randrange(1000))
+        Unseeded.resets += 1
+        observation = super().reset(seed=random.randrange(1000))
+        observation.text += f" ({Unseeded.resets})"
+        return observation
 
 
 app = FastAPI()
@@ -198,7 +204,7 @@ def test_a_server_that_goes_away_scores_zero_and_is_counted():
         process.wait(timeout=30)
     with pytest.warns(UserWarning, match="could not score 2 of 2"):
         result = scored(task, [row] * 2, ["apple", "apple"])
-    assert result.values["openenv_SayWord"] == [0.0, 0.0] and result.metrics == {"openenv/unreachable": [1.0, 1.0]}
+    assert result.values["openenv_SayWord"] == [0.0, 0.0] and result.metrics == {"openenv/unreachable": [2.0]}  # a count
 
 
 def _answers(url: str) -> bool:

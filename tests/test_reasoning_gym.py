@@ -51,6 +51,8 @@ def test_worked_exchanges_and_the_system_prompt_are_options():
     ("rg:chain_sum:min_terms=0", "rg:chain_sum: reasoning-gym refused the options"),
     ("rg:chain_sum:system_prompt=loud", "system_prompt='loud' is none of reasoning-gym's"),
     ("rg:chain_sum:min_terms", "options are key=value"),
+    ("rg:chain_sum:size=0", "rg:chain_sum: size=0 must be a whole number, at least 1"),
+    ("rg:chain_sum:seed=abc", "rg:chain_sum: seed='abc' must be a whole number"),
 ])
 def test_bad_names_and_options_are_one_line(spec, says, tmp_path):
     result = CliRunner().invoke(app, ["train", "--task", spec, "--output-dir", str(tmp_path / "run")])

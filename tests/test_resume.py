@@ -102,13 +102,13 @@ def test_sigkill_mid_save_leaves_the_last_complete_checkpoint(tmp_path):
 def test_nan_updates_are_skipped_then_the_run_stops(tmp_path, monkeypatch):
     T = importlib.import_module("minigrpo.update")  # where the training pass computes its log-probs
 
-    real = T.token_logprobs
+    real = T.token_stats
 
-    def poisoned(*args, with_entropy=False, **kwargs):
-        out = real(*args, with_entropy=with_entropy, **kwargs)
-        return (out[0] * float("nan"), out[1]) if with_entropy else out  # the training pass goes NaN
+    def poisoned(*args, **kwargs):
+        stats = real(*args, **kwargs)  # the training pass (the one with entropies) goes NaN
+        return stats._replace(logps=stats.logps * float("nan")) if kwargs.get("with_entropy") else stats
 
-    monkeypatch.setattr(T, "token_logprobs", poisoned)
+    monkeypatch.setattr(T, "token_stats", poisoned)
     run = tmp_path / "run"
     with pytest.raises(RuntimeError, match="3 steps in a row had a NaN or inf loss or gradient"):
         train(TrainConfig(steps=6, max_bad_steps=3, output_dir=str(run), **SMALL))

@@ -199,6 +199,22 @@ def test_a_multi_turn_game_is_played_by_its_own_run(tmp_path):
     assert cut.respond("9") == "No, lower." and cut.get_reward() == 0.0  # minigrpo's limit ended it: run() is told
 
 
+def test_a_won_game_is_scored_even_before_its_run_has_fully_returned(tmp_path, monkeypatch):
+    """run() queues its end a moment before its future completes; a reward read in that moment waited for a turn
+    that never came ("took over 60 s between two turns", 2 of 11 won Hangman games) instead of scoring 1.0. The
+    moment held open here: the future still reads not done."""
+    import minigrpo.verifiers_turns as turns
+
+    monkeypatch.setattr(turns, "TURN_TIMEOUT_S", 2.0)
+    env = get_task(f"vf:{write(tmp_path, 'guess', GUESS.replace('SLEEP', 'pass'))}").environment()
+    env.reset(vf_index=1)  # the secret is 7
+    assert env.respond("5") == "No, higher." and env.respond("7") is None
+    running = env._running
+    env._running = type("StillFinishing", (), {"done": lambda self: False, "cancel": lambda self: None})()
+    assert env.get_reward() == 1.0
+    running.result(timeout=10)
+
+
 def test_a_game_that_awaits_between_turns_and_one_that_fails(tmp_path):
     sleeping = write(tmp_path, "sleepy", GUESS.replace("SLEEP", "await asyncio.sleep(0.01)"))
     env = get_task(f"vf:{sleeping}").environment()
@@ -223,6 +239,30 @@ def test_what_cannot_be_played_is_refused_with_the_reason(tmp_path):
         result = runner.invoke(app, ["train", "--task", f"vf:{write(tmp_path, f'bad{i}', source)}",
                                      "--output-dir", str(tmp_path / "run")])
         assert result.exit_code == 1 and says in said(result) and "Traceback" not in result.output, result.output
+
+
+@pytest.mark.parametrize("change, says", [
+    (("class SumConfig", "raise RuntimeError('no API key')\n\n\nclass SumConfig"),
+     "importing it raised RuntimeError: no API key"),
+    (("    def load(self):\n", "    def load(self):\n        raise OSError('cannot download words')\n"),
+     "the taskset could not load its tasks (OSError: cannot download words)"),
+    (('prompt=f"What is {a}+{b}?", ', ""), "its tasks carry no prompt"),
+])
+def test_a_taskset_that_cannot_load_or_has_no_prompt_is_one_line(tmp_path, change, says):
+    """Its own import or load() failing (a download offline) printed a traceback; tasks whose Env writes the first
+    turn crashed in the checks before training."""
+    result = CliRunner().invoke(app, ["check-reward", "--no-model", "--task",
+                                      f"vf:{write(tmp_path, 'sums', SUMS.replace(*change))}"])
+    assert result.exit_code == 1 and says in said(result) and "Traceback" not in result.output, result.output
+
+
+def test_an_installed_package_whose_own_import_fails_says_so(tmp_path, monkeypatch):
+    (tmp_path / "vf_broken_pkg").mkdir()
+    (tmp_path / "vf_broken_pkg" / "__init__.py").write_text("import vf_missing_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = CliRunner().invoke(app, ["check-reward", "--no-model", "--task", "vf:vf_broken_pkg"])
+    assert result.exit_code == 1 and "the package is installed, and importing it raised ModuleNotFoundError: No " \
+        "module named 'vf_missing_dependency'" in said(result), result.output
 
 
 @pytest.mark.parametrize("spec, says", [

@@ -86,6 +86,26 @@ def test_rollout_log_probs_match_the_trainer(setup):
         assert (ours - torch.tensor(sampled)).abs().mean() < TOL
 
 
+def test_at_top_p_the_engines_logprobs_on_the_trainers_footing_are_the_trainers(setup):
+    """vLLM's processed log-probs are renormalised over its nucleus; the trainer's kept mass (`sampling.
+    kept_logmass`) puts them back on the whole vocabulary, where they match the trainer's: the importance weights'
+    footing at top-p < 1. Without it, every token reads the nucleus mass."""
+    from minigrpo.model import token_stats
+
+    policy, tokenizer, engine = setup
+    prompt = tokenizer(render_prompt(tokenizer, "Tell me about the sea."), add_special_tokens=False).input_ids
+    rollout = engine.generate([prompt], Sampling(n=4, max_new_tokens=16, temperature=0.8, top_p=0.7))
+    footed, raw = [], []
+    for ids, sampled in zip(rollout.completion_ids, rollout.sampler_logps):
+        batch, attention, _ = pad_batch([(prompt, ids)], 0, "cpu")
+        with torch.no_grad():
+            stats = token_stats(policy, batch, attention, len(ids), 0.8, top_p=0.7)
+        footed.append((stats.logps[0] - (torch.tensor(sampled) + stats.kept[0])).abs().mean())
+        raw.append((stats.logps[0] - torch.tensor(sampled)).abs().mean())
+    assert max(footed) < TOL, footed
+    assert max(raw) > 10 * TOL, raw
+
+
 def trainer_logps_at(policy, prompt, completion, temperature):
     ids, attention, _ = pad_batch([(prompt, completion)], 0, "cpu")
     with torch.no_grad():
@@ -190,22 +210,3 @@ def test_train_an_episode_task_with_vllm(tmp_path):
     # (whether a game goes past its first guess is up to the model; a turn after the environment's answer is
     # checked on this engine above, with a given first turn)
 
-
-def test_at_top_p_the_engines_logprobs_on_the_trainers_footing_are_the_trainers(setup):
-    """vLLM's processed log-probs are renormalised over its nucleus; the trainer's kept mass (`sampling.
-    kept_logmass`) puts them back on the whole vocabulary, where they match the trainer's: the importance weights'
-    footing at top-p < 1. Without it, every token reads the nucleus mass."""
-    from minigrpo.model import token_stats
-
-    policy, tokenizer, engine = setup
-    prompt = tokenizer(render_prompt(tokenizer, "Tell me about the sea."), add_special_tokens=False).input_ids
-    rollout = engine.generate([prompt], Sampling(n=4, max_new_tokens=16, temperature=0.8, top_p=0.7))
-    footed, raw = [], []
-    for ids, sampled in zip(rollout.completion_ids, rollout.sampler_logps):
-        batch, attention, _ = pad_batch([(prompt, ids)], 0, "cpu")
-        with torch.no_grad():
-            stats = token_stats(policy, batch, attention, len(ids), 0.8, top_p=0.7)
-        footed.append((stats.logps[0] - (torch.tensor(sampled) + stats.kept[0])).abs().mean())
-        raw.append((stats.logps[0] - torch.tensor(sampled)).abs().mean())
-    assert max(footed) < TOL, footed
-    assert max(raw) > 10 * TOL, raw
