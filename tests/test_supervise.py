@@ -103,16 +103,18 @@ def test_a_killed_command_takes_its_run_along_and_one_process_writes_a_folder(tm
     started next wrote the same folder beside it (steps 1, 3, 2, 4...). Now a second process on the folder is
     refused, naming the first, and the trainer dies with its watcher, which frees the folder."""
     run = start(tmp_path, "--steps", "30")
-    _first_step(run, tmp_path / "run")
-    holder = (tmp_path / "run" / ".lock").read_text()
-    trainer = int(holder.split()[2])
-    second = subprocess.run([sys.executable, "-m", "minigrpo.cli", "train", "--resume", "run"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=600)
-    assert second.returncode == 1 and f"run is being written by minigrpo process {trainer}" in second.stderr, \
-        second.stdout + second.stderr
-    assert "Traceback" not in second.stdout + second.stderr
-    run.kill()
-    run.communicate(timeout=60)
+    try:
+        _first_step(run, tmp_path / "run")
+        holder = (tmp_path / "run" / ".lock").read_text()
+        trainer = int(holder.split()[2])
+        second = subprocess.run([sys.executable, "-m", "minigrpo.cli", "train", "--resume", "run"], cwd=tmp_path,
+                                capture_output=True, text=True, timeout=600)
+        assert second.returncode == 1 and f"run is being written by minigrpo process {trainer}" in second.stderr, \
+            second.stdout + second.stderr
+        assert "Traceback" not in second.stdout + second.stderr
+    finally:
+        run.kill()
+        run.communicate(timeout=60)
     assert _gone(trainer), "the trainer outlived its watcher"
     with open(tmp_path / "run" / ".lock", "r+") as lock:  # the kernel dropped the lock with its process
         fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
