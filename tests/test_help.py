@@ -48,3 +48,27 @@ def test_models_fits_an_80_column_terminal():
         row = next(line for line in lines if line.split() and line.split()[0] == name)
         assert f"{preset.learning_rate:g}" in row.split() and preset.hub_id in row.split(), row
         assert f"{preset.num_generations} x {preset.prompts_per_step}, {preset.max_new_tokens}" in row, row
+
+
+def test_every_default_of_train_is_the_configs():
+    """Each of train's options named after a TrainConfig field starts from that field's default: the same value, or
+    None (the run's own on --resume and --fork) with the field's default shown in its help. A default stated twice
+    may drift apart; this fails when it does."""
+    import dataclasses
+
+    from minigrpo.config import TrainConfig
+
+    path, command = ("train",), COMMAND.commands["train"]
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    ctx, drifted = click.Context(command, info_name=path[-1]), []
+    for param in command.params:
+        field = fields.get(param.name)
+        if field is None or field.default is dataclasses.MISSING or getattr(param, "param_type_name", "") != "option":
+            continue
+        if param.default is None and field.default is not None:
+            described = param.get_help_record(ctx)[1]
+            if f"[default: {field.default}" not in described.replace("'", ""):
+                drifted.append(f"{param.opts[0]}: None, and its help does not show {field.default!r}: {described}")
+        elif param.default != field.default and param.required is False:
+            drifted.append(f"{param.opts[0]}: {param.default!r}, the config's {field.default!r}")
+    assert not drifted, drifted
