@@ -124,8 +124,13 @@ def test_what_a_run_leaves_running_is_named(tmp_path):
     run = start(tmp_path, "--reward", "my_rewards.py:leaves_a_helper", "--steps", "1")
     try:
         assert run.wait(timeout=600) == 0
-    finally:
-        subprocess.run(["pkill", "-f", "sleep 317"])  # the helper holds the output pipe open: end it to read
+    finally:  # the helper holds the output pipe open: end it, to read the output
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                if cmdline.read_bytes() == b"sleep\x00317\x00":
+                    os.kill(int(cmdline.parent.name), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
     out = run.communicate(timeout=60)[0]
     left = [line for line in out.splitlines() if "the run left" in line]
     assert left and "running (pid" in left[0] and "sleep 317" in left[0] and "kill " in left[0], out
