@@ -48,7 +48,8 @@ def lora_scale(settings: dict) -> float:
 
 
 def check_adapter(cfg) -> None:
-    """Before the model loads: each adapter the run names is a whole adapter folder, made for this run's model."""
+    """Before the model loads: each adapter the run names was made for this run's model (`TrainConfig` has checked
+    that it is a whole adapter of the run's rank)."""
     for field, flag in FLAGS.items():
         folder = getattr(cfg, field)
         if not folder:

@@ -255,16 +255,11 @@ class TrainConfig:
                 self._check_adapter(flag, Path(folder))
 
     def _check_adapter(self, flag: str, folder: Path) -> None:
-        """An adapter given to start from or to compare with must be one, of the policy's rank."""
-        settings = folder / "adapter_config.json"
-        if not settings.is_file():
-            raise ValueError(f"bad config: {flag} {folder} is not an adapter folder (no adapter_config.json); give "
-                             f"a run's adapter/ or `minigrpo sft`'s output")
-        try:
-            rank = json.loads(settings.read_text()).get("r")
-        except (ValueError, AttributeError):
-            raise ValueError(f"{flag} {folder}: its adapter_config.json is not valid JSON (an object with its LoRA "
-                             f"rank, r)") from None
+        """An adapter given to start from or to compare with must be a whole one (`adapters.adapter_settings`), of
+        the policy's rank."""
+        from minigrpo.adapters import adapter_settings
+
+        rank = adapter_settings(folder, flag)["r"]
         if rank != self.lora_rank:
             raise ValueError(f"bad config: {flag} {folder} has LoRA rank {rank} and this run's adapter rank "
                              f"{self.lora_rank}; give --lora-rank {rank}")

@@ -173,8 +173,8 @@ def _taskset(name: str, options: dict, vf):
         except ModuleNotFoundError as error:
             package = name.replace("-", "_")
             if importlib.util.find_spec(package) is not None:  # installed: its own import failed
-                while error.__cause__ or error.__context__:  # verifiers wraps the import's own error
-                    error = error.__cause__ or error.__context__
+                for _ in range(10):  # verifiers wraps the import's own error: the innermost one is the cause
+                    error = error.__cause__ or error.__context__ or error
                 raise ValueError(f"--task vf:{name}: the package is installed, and importing it raised "
                                  f"{_first_line(error)}") from None
             close = difflib.get_close_matches(package, [m.name for m in pkgutil.iter_modules()], n=3)

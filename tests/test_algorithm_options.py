@@ -172,8 +172,8 @@ def test_maxrl_with_rewards_below_zero_says_so_and_spread_counts_groups_with_gra
 
     from minigrpo.cli import app
 
-    (tmp_path / "negative.py").write_text("def minus(completions, **kwargs):\n"
-                                          "    return [-float(len(c) % 2) for c in completions]\n")
+    (tmp_path / "negative.py").write_text("def minus(completions, **kwargs):  # 0 once, then -1: spread, mean below 0\n"
+                                          "    return [-float(i % 4 > 0) for i in range(len(completions))]\n")
     out = tmp_path / "run"
     result = CliRunner().invoke(app, ["train", "--advantage", "maxrl", "--reward", f"{tmp_path / 'negative.py'}:minus",
                                       "--reward-weight", "0", "--reward-weight", "1", "--steps", "1", "-G", "4",

@@ -205,7 +205,7 @@ def test_a_won_game_is_scored_even_before_its_run_has_fully_returned(tmp_path, m
     moment held open here: the future still reads not done."""
     import minigrpo.verifiers_turns as turns
 
-    monkeypatch.setattr(turns, "TURN_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(turns, "TURN_TIMEOUT_S", 30.0)  # the old code waited this long, then failed
     env = get_task(f"vf:{write(tmp_path, 'guess', GUESS.replace('SLEEP', 'pass'))}").environment()
     env.reset(vf_index=1)  # the secret is 7
     assert env.respond("5") == "No, higher." and env.respond("7") is None
