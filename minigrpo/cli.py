@@ -233,13 +233,14 @@ def export(
 @app.command()
 @clear_errors
 def plot(
-    run: str = typer.Argument(..., help="A run folder."),
-    out: str = typer.Option(None, help="PNG path [default: <run>/curves.png]."),
+    run: str = typer.Argument(..., help="A run folder, or a result card (bench learn's NAME.json)."),
+    out: str = typer.Option(None, help="PNG path [default: <run>/curves.png, or the card's NAME.png]."),
 ) -> None:
-    """Write a run's curves (reward and its parts, groups with spread, eval, KL, length, step time) as a PNG."""
-    from minigrpo.plot import plot_run
+    """Write a run's curves (reward and its parts, groups with spread, eval, KL, length, step time) as a PNG;
+    for a result card, held-out pass@1 against seconds of training for each trainer and seed."""
+    from minigrpo.plot import plot_card, plot_run
 
-    Console().print(f"wrote {plot_run(run, out)}")
+    Console().print(f"wrote {(plot_card if run.endswith('.json') else plot_run)(run, out)}")
 
 
 app.add_typer(machine_app)  # plan, doctor, bench

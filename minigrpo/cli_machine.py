@@ -143,6 +143,51 @@ def bench_trl(
     compare_with_trl(steps, rounds, against=against)
 
 
+@bench_app.command("learn")
+@clear_errors
+def bench_learn(
+    task: str = typer.Option(TrainConfig.task, help="The task to learn (any --task of train)."),
+    seed: list[int] = typer.Option([0, 1, 2], help="A seed to train under (repeat) [default: 0, 1, 2]."),
+    steps: int = typer.Option(TrainConfig.steps, help="Optimizer steps per run."),
+    eval_every: int = typer.Option(0, help="Evaluate every this many steps too, for the curve (0: before and "
+                                           "after only)."),
+    eval_prompts: int = typer.Option(TrainConfig.eval_prompts, help="Held-out prompts per evaluation."),
+    eval_samples: int = typer.Option(TrainConfig.eval_samples, help="Samples per prompt for the mean reward of the "
+                                                                    "evaluations every --eval-every steps."),
+    set_: list[str] = typer.Option([], "--set", help="key=value of any train setting (repeat) [default: none]."),
+    with_trl: bool = typer.Option(False, help="Train the same through TRL's GRPOTrainer too (pip install trl)."),
+    out: str = typer.Option("cards", help="Folder for the card (NAME.json, NAME.md) and its runs (runs/)."),
+) -> None:
+    """Result card: train a task under several seeds (and through TRL), held-out pass@1 before and after."""
+    import importlib.util
+
+    from minigrpo.bench import parse_settings
+    from minigrpo.bench_learn import learn, table
+
+    if with_trl and importlib.util.find_spec("trl") is None:
+        raise ValueError("--with-trl needs TRL: pip install 'minigrpo[trl]'")
+    settings = {**parse_settings(set_), "steps": steps, "eval_prompts": eval_prompts, "eval_samples": eval_samples}
+    if steps < 1 or eval_every < 0:
+        raise ValueError(f"--steps {steps} --eval-every {eval_every}: steps at least 1, eval-every 0 or more")
+    console = Console(width=160)
+    card = learn(task, seed, settings, eval_every, Path(out), with_trl,
+                 emit=lambda line: console.print(line, highlight=False, markup=False))
+    console.print(table([card]), highlight=False, markup=False)
+
+
+@bench_app.command("tables")
+@clear_errors
+def bench_tables(
+    cards: str = typer.Argument(..., help="A folder of result cards (bench learn's NAME.json)."),
+    page: str = typer.Option(None, help="A markdown page whose table between the cards markers is rewritten "
+                                        "[default: print the table]."),
+) -> None:
+    """The results table from result cards, printed or written into a page (docs/results.md)."""
+    from minigrpo.bench_learn import read_cards, table, write_tables
+
+    print(write_tables(Path(cards), Path(page)) if page else table(read_cards(Path(cards))))
+
+
 @bench_app.command("dtype")
 @clear_errors
 def bench_dtype() -> None:

@@ -79,3 +79,32 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def plot_card(card_path: Path, out: Path | None = None) -> Path:
+    """A result card's held-out pass@1 against seconds of training, a line per seed, a colour per trainer
+    (`minigrpo bench learn --eval-every N` gives each line its points)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    card = json.loads(Path(card_path).read_text())
+    if not isinstance(card, dict) or "trainers" not in card:
+        raise ValueError(f"{card_path} is not a result card (bench learn writes them)")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for colour, (trainer, result) in zip(("tab:blue", "tab:orange", "tab:green"), card["trainers"].items()):
+        for i, run in enumerate(result["runs"]):
+            curve = run["curve"]
+            ax.plot([p["train_s"] for p in curve], [p["pass@1"] for p in curve], marker="o", color=colour, alpha=0.8,
+                    label=trainer if i == 0 else None)
+    ax.set_xlabel("seconds of training (generation, scoring and update; evaluation left out)")
+    ax.set_ylabel(f"held-out pass@1 ({card['eval']['prompts']} prompts, greedy)")
+    ax.set_title(f"{card['model']} on {card['task']}: {card['steps']} steps, seeds {card['seeds']}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(out) if out else Path(card_path).with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
