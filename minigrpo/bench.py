@@ -52,11 +52,14 @@ class ChildFailed(RuntimeError):
 
 def run_child(code: str, args: list[str], env: dict | None = None, code_dir: str | None = None) -> None:
     """`python -c code *args` in a fresh process (importing minigrpo from `code_dir`, another checkout, if
-    given); on failure, ChildFailed with what it printed last."""
+    given), which dies with this one; on failure, ChildFailed with what it printed last."""
     if code_dir:
         env = {**(env or {}), "PYTHONPATH": str(Path(code_dir).resolve())}
+    from minigrpo.supervise import die_with_parent
+
     done = subprocess.run([sys.executable, "-c", code, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          text=True, errors="replace", env={**os.environ, **(env or {})}, cwd=code_dir)
+                          text=True, errors="replace", env={**os.environ, **(env or {})}, cwd=code_dir,
+                          preexec_fn=die_with_parent)
     if done.returncode != 0:
         tail = "\n".join(done.stderr.strip().splitlines()[-8:])
         raise ChildFailed(f"exit status {done.returncode}; its last lines:\n{tail}")

@@ -39,40 +39,61 @@ TABLE_START, TABLE_END = "<!-- cards: start -->", "<!-- cards: end -->"
 
 def learn(task: str, seeds: list[int], settings: dict, eval_every: int, out: Path, with_trl: bool = False,
           emit=print) -> dict:
-    """Train `task` under each seed (and through TRL), evaluate, and write the card into `out`: returns it."""
+    """Train `task` under each seed (and through TRL), evaluate, and write the card into `out`, again after
+    each run, so a card stopped part-way keeps what it measured: the same command with the seeds still to run
+    adds them to it. Returns the card."""
     if not seeds or len(set(seeds)) < len(seeds):
         raise ValueError(f"--seed {seeds}: give at least one seed, each once")
     cfg = TrainConfig(task=task, **settings)  # a bad setting stops here, before anything runs
     slug = re.sub(r"[^A-Za-z0-9]+", "-", f"{task}-{cfg.model}").strip("-")
     out = Path(out)
-    runs_dir = out / "runs" / slug
-    trainers = TRAINERS[:2 if with_trl else 1]
-    folders = {(trainer, seed): runs_dir / f"{'minigrpo' if trainer == 'minigrpo' else 'trl'}-seed{seed}"
-               for trainer in trainers for seed in seeds}
-    for folder in folders.values():  # another card's runs are never written over
-        if folder.exists():
-            raise ValueError(f"{folder} exists: a card's runs go into new folders; give another --out, or remove it")
+    path = out / f"{slug}.json"
     card = {"card": CARD_VERSION, "task": task, "model": cfg.model, "steps": cfg.steps,
-            "settings": changed_settings(cfg), "config_hash": config_hash(cfg), "seeds": list(seeds),
+            "settings": changed_settings(cfg), "config_hash": config_hash(cfg), "seeds": [],
             "eval": {"every": eval_every, "prompts": cfg.eval_prompts, "samples": cfg.eval_samples if eval_every else 0},
-            "hardware": hardware(), "versions": stack_versions(),
-            "date": datetime.date.today().isoformat(), "trainers": {}}
-    for trainer in trainers:
-        runs = []
-        for seed in seeds:
-            folder = folders[trainer, seed]
-            run_settings = dict(settings, task=task, seed=seed, eval_every=eval_every, output_dir=str(folder))
-            run = (train_minigrpo if trainer == "minigrpo" else train_trl)(run_settings)
-            run.update(seed=seed, folder=str(folder.relative_to(out)))  # relative: a card moves with its runs
-            runs.append(run)
-            emit(f"{task} seed {seed}, {trainer}: pass@1 {run['before']['pass@1']:.3f} -> "
-                 f"{run['after']['pass@1']:.3f}, reward {run['before']['reward']:.3f} -> {run['after']['reward']:.3f}; "
-                 f"{run['train_s']:.0f} s training, {run['wall_s']:.0f} s in all")
-        card["trainers"][trainer] = {"runs": runs, "summary": summarize(runs)}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{slug}.json").write_text(json.dumps(card, indent=1) + "\n")
-    (out / f"{slug}.md").write_text(table([card]) + "\n")
+            "hardware": hardware(), "versions": stack_versions(), "date": datetime.date.today().isoformat(),
+            "trainers": {}}
+    card = added_to(json.loads(path.read_text()), card, path) if path.exists() else card
+    todo = [(seed, trainer) for seed in seeds for trainer in TRAINERS[:2 if with_trl else 1]]
+    for seed, trainer in todo:  # seed by seed, so a card stopped part-way compares like with like
+        done = [r["seed"] for r in card["trainers"].get(trainer, {}).get("runs", [])]
+        folder = out / "runs" / slug / f"{'minigrpo' if trainer == 'minigrpo' else 'trl'}-seed{seed}"
+        if seed in done or folder.exists():  # another card's runs are never written over
+            raise ValueError(f"{path if seed in done else folder}: seed {seed} of {trainer} is there already; give "
+                             f"the seeds still to run, or another --out")
+    for seed, trainer in todo:
+        folder = out / "runs" / slug / f"{'minigrpo' if trainer == 'minigrpo' else 'trl'}-seed{seed}"
+        run_settings = dict(settings, task=task, seed=seed, eval_every=eval_every, output_dir=str(folder))
+        run = (train_minigrpo if trainer == "minigrpo" else train_trl)(run_settings)
+        run.update(seed=seed, folder=str(folder.relative_to(out)))  # relative: a card moves with its runs
+        emit(f"{task} seed {seed}, {trainer}: pass@1 {run['before']['pass@1']:.3f} -> "
+             f"{run['after']['pass@1']:.3f}, reward {run['before']['reward']:.3f} -> {run['after']['reward']:.3f}; "
+             f"{run['train_s']:.0f} s training, {run['wall_s']:.0f} s in all")
+        runs = card["trainers"].setdefault(trainer, {"runs": []})["runs"]
+        runs.append(run)
+        card["trainers"][trainer]["summary"] = summarize(runs)
+        card["seeds"] = sorted({r["seed"] for result in card["trainers"].values() for r in result["runs"]})
+        card["trainers"] = {t: card["trainers"][t] for t in TRAINERS if t in card["trainers"]}
+        path.write_text(json.dumps(card, indent=1) + "\n")
+        path.with_suffix(".md").write_text(table([card]) + "\n")
     return card
+
+
+def added_to(earlier: dict, new: dict, path: Path) -> dict:
+    """The card in `path`, to which the new runs are added: only runs of one recipe, evaluation and machine
+    share a card; anything else is refused, naming what differs."""
+    if not isinstance(earlier, dict) or earlier.get("card") != CARD_VERSION:
+        raise ValueError(f"{path} is not a result card of this version; give another --out")
+    differs = [what for what in ("task", "eval") if earlier.get(what) != new[what]]
+    if earlier.get("config_hash") != new["config_hash"]:
+        differs.append(f"config (hash {earlier.get('config_hash')} there, {new['config_hash']} here)")
+    if earlier["hardware"] != new["hardware"]:
+        differs.append(f"machine ({describe_hardware(earlier['hardware'])} there, "
+                       f"{describe_hardware(new['hardware'])} here)")
+    if differs:
+        raise ValueError(f"{path} holds a card with another {' and '.join(differs)}: its seeds and these would not "
+                         f"be one sample; give another --out")
+    return earlier
 
 
 def changed_settings(cfg: TrainConfig) -> dict:
@@ -95,7 +116,8 @@ def hardware() -> dict:
         return {"gpu": torch.cuda.get_device_name(0), "cpu": None, "threads": torch.get_num_threads()}
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     name = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
-    flags = set((re.search(r"^flags\s*:\s*(.+)$", cpuinfo, re.M) or re.match("()", "")).group(1).split())
+    flag_line = re.search(r"^flags\s*:\s*(.+)$", cpuinfo, re.M)
+    flags = set(flag_line.group(1).split()) if flag_line else set()
     isa = [f for f in ("avx512_bf16", "amx_bf16") if f in flags] or (["avx512f"] if "avx512f" in flags else
                                                                     ["avx2"] if "avx2" in flags else [])
     return {"gpu": None, "cpu": (name.group(1).strip() if name else platform.processor()) or "unknown cpu",
@@ -262,7 +284,7 @@ def table(cards: list[dict]) -> str:
     for card in cards:
         for trainer, result in card["trainers"].items():
             s = result["summary"]
-            rows.append(f"| {card['task']} | {card['model']} | {trainer} | {len(card['seeds'])} | {card['steps']} | "
+            rows.append(f"| {card['task']} | {card['model']} | {trainer} | {len(result['runs'])} | {card['steps']} | "
                         f"{_pm(s['pass@1']['before'])} | {_pm(s['pass@1']['after'])} | "
                         f"{_pm(s['pass@1']['gain'], sign=True)} | {s['reward']['before']['mean']:.3f} → "
                         f"{s['reward']['after']['mean']:.3f} | {s['train_s']['mean']:.0f} | "

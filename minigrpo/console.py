@@ -29,6 +29,7 @@ class Display:
         self.task = self.progress.add_task("training", total=total_steps)
         self.rewards: deque[float] = deque(maxlen=SMOOTHING)
         self.warned: set[str] = set()  # warnings about the run as a whole, said once
+        self.flat_steps = 0  # steps in a row, in this process, in which no group's rewards differed
 
     def __enter__(self) -> "Display":
         self.progress.start()

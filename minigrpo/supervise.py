@@ -100,6 +100,12 @@ def _stop_both(child: int) -> None:
     _pass_on(child, signal.SIGCONT)
 
 
+def die_with_parent() -> None:
+    """For a child between fork and exec (subprocess's preexec_fn): the kernel kills it when the process that
+    started it ends, however that ends, so a benchmark killed from outside leaves no training run behind."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def _prctl(option: int, value: int) -> None:
     try:
         ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)

@@ -40,6 +40,7 @@ from minigrpo.update import MicroBatches, Update, micro_batches, policy_update
 from minigrpo.weights import resolve_weights
 
 GAP_WARNING = 0.05  # mean |sampler - trainer| log-prob per token above which the engine is out of sync
+FLAT_STEPS = 5  # steps in a row without a group whose rewards differ, before a run is told it learns nothing
 
 
 def train(cfg: TrainConfig, resume: bool = False) -> Path:
@@ -173,8 +174,9 @@ def _train(cfg, resume, task, weights, train_rows, run, display, model, tokenize
 
 
 def check_health(cfg: TrainConfig, metrics: dict, bad_in_a_row: int, display: Display, save, where: Path) -> int:
-    """Warn about a skipped NaN update (and stop after max_bad_steps in a row, saved) and about a generator
-    whose log-probs drift from the trainer's; returns the NaN steps in a row so far."""
+    """Warn about a skipped NaN update (and stop after max_bad_steps in a row, saved), about steps with nothing
+    to learn from (no group's rewards differ), and about a generator whose log-probs drift from the trainer's;
+    returns the NaN steps in a row so far."""
     bad_in_a_row = bad_in_a_row + 1 if metrics.get("skipped_nonfinite") else 0
     if bad_in_a_row:
         display.print(f"[yellow]warning[/]: step {metrics['step']}: the loss or gradient was NaN or inf; "
@@ -189,6 +191,14 @@ def check_health(cfg: TrainConfig, metrics: dict, bad_in_a_row: int, display: Di
         display.print(f"[yellow]warning[/]: step {metrics['step']}: {metrics['maxrl/groups_below_zero']} group(s) had "
                       f"rewards below 0; --advantage maxrl reads rewards as successes in [0, 1] and gives a group "
                       f"whose mean is 0 or less advantage 0: use --advantage grpo or rloo with such rewards")
+    display.flat_steps = 0 if metrics.get("frac_groups_reward_differs") else display.flat_steps + 1
+    if display.flat_steps == FLAT_STEPS and "flat" not in display.warned:
+        display.warned.add("flat")
+        display.print(f"[yellow]warning[/]: no group has had reward spread for {FLAT_STEPS} steps: every completion of "
+                      f"a prompt scored the same, and GRPO learns only from differences within a group. See what "
+                      f"the model writes and scores with `minigrpo check-reward --task {cfg.task} --model {cfg.model}`; "
+                      f"a small model may need worked examples in its prompt (an rg: task takes shots=2), a longer "
+                      f"--max-new-tokens (now {cfg.max_new_tokens}), or a reward for the format", highlight=False)
     if metrics.get("sampler_logprob_gap/mean", 0.0) > GAP_WARNING:
         display.print(f"[bold red]warning[/]: the generator's log-probs differ from the trainer's by "
                       f"{metrics['sampler_logprob_gap/mean']:.3f} per token on average: its weights "

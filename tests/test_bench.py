@@ -40,3 +40,36 @@ def test_the_trl_table_prints_what_was_measured_and_why_the_rest_was_not():
     assert "minigrpo (vllm): not measured: failed (exit status 1)" in text
     row = next(line for line in text.splitlines() if line.startswith("│ minigrpo "))
     assert "11.00" in row and "2.50" in row and "4.50" in row and "140" in row  # medians and the peak
+
+
+def test_a_benchmark_killed_from_outside_takes_its_child_along(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    pid_file = tmp_path / "child.pid"
+    child_code = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(600)"
+    parent = subprocess.Popen([sys.executable, "-c", "import sys; from minigrpo.bench import run_child; "
+                               f"run_child({child_code!r}, [sys.argv[1]])", str(pid_file)])
+    while not (pid_file.exists() and pid_file.read_text()):  # the child is up (no clock: it gets there or the test hangs)
+        assert parent.poll() is None, "the benchmark ended before its child started"
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    parent.send_signal(signal.SIGTERM)  # as `kill` or a scheduler ends it: no Ctrl-C reaching the child's group
+    parent.wait()
+
+    def alive() -> bool:
+        try:  # a zombie (state Z) waits only for its reaper: it runs nothing
+            return Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    for _ in range(600):  # the kernel kills it at once; the loop only lets it finish dying
+        if not alive():
+            return
+        time.sleep(0.05)
+    os.kill(child, signal.SIGKILL)  # left behind: not for the machine to keep
+    raise AssertionError(f"the benchmark's child {child} outlived it")

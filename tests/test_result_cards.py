@@ -14,14 +14,15 @@ from minigrpo.cli import app
 ROOT = Path(__file__).resolve().parents[1]
 
 
+TINY = ["--task", "addition", "--steps", "2", "--eval-every", "1", "--eval-prompts", "4", "--eval-samples", "1",
+        "--set", "max_new_tokens=16", "--set", "num_generations=2"]
+
+
 @pytest.fixture(scope="module")
 def card_folder(tmp_path_factory):
     pytest.importorskip("trl")
     out = tmp_path_factory.mktemp("cards")
-    result = CliRunner().invoke(app, ["bench", "learn", "--task", "addition", "--seed", "3", "--steps", "2",
-                                      "--eval-every", "1", "--eval-prompts", "4", "--eval-samples", "1",
-                                      "--set", "max_new_tokens=16", "--set", "num_generations=2", "--with-trl",
-                                      "--out", str(out)])
+    result = CliRunner().invoke(app, ["bench", "learn", *TINY, "--seed", "3", "--with-trl", "--out", str(out)])
     assert result.exit_code == 0, result.output
     return out, result.output
 
@@ -62,12 +63,27 @@ def test_the_results_page_is_written_between_its_markers_and_a_card_folder_is_no
     result = CliRunner().invoke(app, ["bench", "tables", str(out), "--page", str(page)])
     assert result.exit_code == 0, result.output
     assert page.read_text() == f"# Results\n\nbefore\n{TABLE_START}\n{table(read_cards(out))}\n{TABLE_END}\nafter\n"
-    # a second card command into the same folder would write into the first one's runs: refused, nothing touched
-    before = sorted(p.relative_to(out) for p in out.rglob("*"))
-    again = CliRunner().invoke(app, ["bench", "learn", "--task", "addition", "--seed", "3", "--steps", "2",
-                                     "--out", str(out)])
-    assert again.exit_code != 0 and "exists: a card's runs go into new folders" in again.output
-    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+    # a seed already in the card, or a card of another recipe in the folder: refused, nothing touched
+    before = {p.relative_to(out): p.stat().st_mtime_ns for p in out.rglob("*")}
+    for flags, says in ((["--seed", "3"], "seed 3 of minigrpo is there already"),
+                        (["--seed", "4", "--set", "learning_rate=1e-5"], "holds a card with another config (hash")):
+        again = CliRunner().invoke(app, ["bench", "learn", *TINY, *flags, "--out", str(out)])
+        assert again.exit_code != 0 and says in again.output, again.output
+    assert {p.relative_to(out): p.stat().st_mtime_ns for p in out.rglob("*")} == before
+
+
+def test_seeds_run_later_join_their_card(card_folder, tmp_path):
+    import shutil
+
+    out = tmp_path / "cards"
+    shutil.copytree(card_folder[0], out)
+    result = CliRunner().invoke(app, ["bench", "learn", *TINY, "--seed", "4", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    card = json.loads((out / "addition-smollm2-135m.json").read_text())
+    mine, trl = (card["trainers"][t]["runs"] for t in ("minigrpo", "TRL GRPOTrainer"))
+    assert card["seeds"] == [3, 4] and [r["seed"] for r in mine] == [3, 4] and [r["seed"] for r in trl] == [3]
+    assert card["trainers"]["minigrpo"]["summary"] == summarize(mine) and summarize(mine)["pass@1"]["gain"]["se"] is not None
+    assert "| minigrpo | 2 | 2 |" in table([card]) and "| TRL GRPOTrainer | 1 | 2 |" in table([card])
 
 
 def test_a_cards_curve_is_drawn(card_folder):

@@ -105,3 +105,26 @@ def test_converting_the_offline_model_leaves_the_seeded_random_stream_alone(tmp_
     torch.manual_seed(0)
     folder = resolve_weights(OFFLINE_HUB_ID)
     assert str(tmp_path) in folder and torch.equal(torch.rand(3), expected)
+
+
+def test_a_run_with_nothing_to_learn_from_is_told_once_and_a_group_with_spread_resets_the_count():
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from minigrpo.config import TrainConfig
+    from minigrpo.console import Display
+    from minigrpo.train import FLAT_STEPS, check_health
+
+    def warnings(spreads: list[float]) -> list[str]:
+        display = Display(len(spreads), Console(record=True, width=400))
+        for step, spread in enumerate(spreads, 1):
+            metrics = {"step": step} if spread is None else {"step": step, "frac_groups_reward_differs": spread}
+            check_health(TrainConfig(task="rg:chain_sum"), metrics, 0, display, None, Path("."))
+        return [line for line in display.console.export_text().splitlines() if "no group has had reward" in line]
+
+    # a step skipped for want of spread (--filter-groups) counts as flat too
+    flat = warnings([0.0] * (FLAT_STEPS - 1) + [None] + [0.0] * 10)
+    assert len(flat) == 1 and "minigrpo check-reward --task rg:chain_sum --model smollm2-135m" in flat[0]
+    assert "shots=2" in flat[0] and "--max-new-tokens (now 48)" in flat[0]
+    assert warnings([0.0] * (FLAT_STEPS - 1) + [0.5] + [0.0] * (FLAT_STEPS - 1)) == []
