@@ -68,7 +68,7 @@ def test_the_results_page_is_written_between_its_markers_and_a_card_folder_is_no
     for flags, says in ((["--seed", "3"], "seed 3 of minigrpo is there already"),
                         (["--seed", "4", "--set", "learning_rate=1e-5"], "holds a card with another config (hash")):
         again = CliRunner().invoke(app, ["bench", "learn", *TINY, *flags, "--out", str(out)])
-        assert again.exit_code != 0 and says in again.output, again.output
+        assert again.exit_code != 0 and says in " ".join(again.output.split()), again.output  # as wrapped
     assert {p.relative_to(out): p.stat().st_mtime_ns for p in out.rglob("*")} == before
 
 
