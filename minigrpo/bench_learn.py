@@ -172,22 +172,16 @@ def train_trl(settings: dict) -> dict:
 
 
 def _trl_child(settings: dict) -> None:
-    import importlib.util
-
     from transformers import TrainerCallback
 
-    from minigrpo.graduate import graduate
+    from minigrpo.bench_trl import graduated_trainer
 
     cfg = TrainConfig(**settings)
     folder = Path(cfg.output_dir)
     folder.mkdir(parents=True, exist_ok=False)  # a fresh folder: nothing of an earlier run mixed in
     cfg.save(folder / "config.json")  # the evaluator loads the base as the minigrpo run does
-    every = cfg.eval_every or cfg.steps
-    script_dir = graduate(dataclasses.replace(cfg, save_every=every, keep=cfg.steps), folder / "graduated")
-    spec = importlib.util.spec_from_file_location("train_trl", script_dir / "train_trl.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    trainer = script.build(str(folder / "trl"), cfg.steps, cpu=True)
+    every = cfg.eval_every or cfg.steps  # a checkpoint at each evaluation step, all kept
+    trainer = graduated_trainer(dataclasses.replace(cfg, save_every=every, keep=cfg.steps), folder, cpu=True)
 
     class Clock(TrainerCallback):  # the optimizer step's own seconds, as minigrpo's time/step
         def on_step_begin(self, args, state, control, **kw):

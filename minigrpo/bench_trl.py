@@ -34,12 +34,9 @@ def run_trl(steps: int) -> list[dict]:
 
 def _trl_child(steps: int, out: str) -> None:
     """TRL's side: the script `minigrpo graduate` writes for TRL_SETTING, its trainer timed step by step."""
-    import importlib.util
     import resource
 
     from transformers import TrainerCallback
-
-    from minigrpo.graduate import graduate
 
     records = []
 
@@ -52,14 +49,22 @@ def _trl_child(steps: int, out: str) -> None:
                             "mem/peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20})
 
     tmp = Path(tempfile.mkdtemp(prefix="minigrpo-trl-"))
-    folder = graduate(TrainConfig(**TRL_SETTING, steps=steps, save_every=0), tmp / "graduated")
-    spec = importlib.util.spec_from_file_location("train_trl", folder / "train_trl.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    trainer = script.build(str(tmp / "out"), steps, cpu=True)
+    trainer = graduated_trainer(TrainConfig(**TRL_SETTING, steps=steps, save_every=0), tmp, cpu=True)
     trainer.add_callback(Clock())
     trainer.train()
     Path(out).write_text(json.dumps(records))
+
+
+def graduated_trainer(cfg: TrainConfig, folder: Path, cpu: bool):
+    """TRL's GRPOTrainer as the script `minigrpo graduate` writes for `cfg` builds it (the script in
+    folder/graduated, TRL's output in folder/trl)."""
+    from minigrpo.graduate import graduate
+
+    script_dir = graduate(cfg, Path(folder) / "graduated")
+    spec = importlib.util.spec_from_file_location("train_trl", script_dir / "train_trl.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.build(str(Path(folder) / "trl"), cfg.steps, cpu=cpu)
 
 
 def compare_with_trl(steps: int = 6, rounds: int = 1, console: Console | None = None,
