@@ -25,26 +25,26 @@ import torch
 PREFIX = "step-"
 
 
-def save(run_dir: Path, step: int, model, optimizer, scheduler, prompts, generator, keep: int, scaler=None,
-         extra: dict | None = None) -> Path:
+def save(run_dir: Path, step: int, state, keep: int) -> Path:
+    """Write `state` (a RunState) as the checkpoint after `step`, keeping the newest `keep` checkpoints."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:06d}"
     partial = root / f".partial-{PREFIX}{step:06d}-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial / "adapter")
-    state = {
+    state.model.save_pretrained(partial / "adapter")
+    saved = {
         "step": step,
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
+        "optimizer": state.optimizer.state_dict(),
+        "scheduler": state.scheduler.state_dict(),
         "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-        "prompts": prompts.state_dict(),
-        "generator": generator.state_dict() if hasattr(generator, "state_dict") else None,
-        "scaler": scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
-        "extra": {name: part.state_dict() for name, part in (extra or {}).items()},  # e.g. the entropy control
+        "prompts": state.prompts.state_dict(),
+        "generator": state.generator.state_dict() if hasattr(state.generator, "state_dict") else None,
+        "scaler": state.scaler.state_dict() if state.scaler.is_enabled() else None,
+        "extra": {"entropy": state.entropy.state_dict()},
     }
-    torch.save(state, partial / "state.pt")
+    torch.save(saved, partial / "state.pt")
     _fsync_tree(partial)
     if final.exists():  # the same step saved again (an interrupt right after a scheduled save)
         shutil.rmtree(final)
@@ -71,46 +71,44 @@ def candidates(run_dir: Path) -> list[Path]:
     return sorted((p for p in root.glob(f"{PREFIX}*") if (p / "state.pt").exists()), reverse=True)
 
 
-def load_newest(run_dir: Path, model, optimizer, scheduler, prompts, generator, scaler=None, say=print,
-                extra: dict | None = None) -> tuple[Path, int]:
+def load_newest(run_dir: Path, state, say=print) -> tuple[Path, int]:
     """Restore the newest checkpoint that reads whole, saying which were skipped and why."""
     for checkpoint in candidates(run_dir):
         try:
-            return checkpoint, load(checkpoint, model, optimizer, scheduler, prompts, generator, scaler, extra)
+            return checkpoint, load(checkpoint, state)
         except Exception as error:  # a truncated or corrupted file: torch, safetensors and pickle raise many kinds
             say(f"[yellow]warning[/]: checkpoint {checkpoint} cannot be read ({type(error).__name__}: "
                 f"{str(error)[:120]}); trying the one before it")
     raise FileNotFoundError(f"{run_dir} has no complete checkpoint to resume from")
 
 
-def load(checkpoint: Path, model, optimizer, scheduler, prompts, generator, scaler=None, extra: dict | None = None) -> int:
-    """Restore everything `save` wrote; returns the step it was taken after."""
+def load(checkpoint: Path, state) -> int:
+    """Restore everything `save` wrote into `state` (a RunState); returns the step it was taken after."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
     weights = load_file(str(checkpoint / "adapter" / "adapter_model.safetensors"))
-    result = set_peft_model_state_dict(model, weights)
+    result = set_peft_model_state_dict(state.model, weights)
     if getattr(result, "unexpected_keys", None):
         raise RuntimeError(f"{checkpoint} does not match this model: unexpected {result.unexpected_keys[:3]}")
-    state = torch.load(checkpoint / "state.pt", weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    prompts.load_state_dict(state["prompts"])
-    if state["generator"] is not None and hasattr(generator, "load_state_dict"):
-        generator.load_state_dict(state["generator"])
-    if state.get("scaler") and scaler is not None and scaler.is_enabled():
-        scaler.load_state_dict(state["scaler"])
-    for name, part in (extra or {}).items():
-        if name in state.get("extra", {}):
-            part.load_state_dict(state["extra"][name])
-    generator.sync(model)
-    rng = state["rng"]
+    saved = torch.load(checkpoint / "state.pt", weights_only=False)
+    state.optimizer.load_state_dict(saved["optimizer"])
+    state.scheduler.load_state_dict(saved["scheduler"])
+    state.prompts.load_state_dict(saved["prompts"])
+    if saved["generator"] is not None and hasattr(state.generator, "load_state_dict"):
+        state.generator.load_state_dict(saved["generator"])
+    if saved.get("scaler") and state.scaler.is_enabled():
+        state.scaler.load_state_dict(saved["scaler"])
+    if "entropy" in saved.get("extra", {}):
+        state.entropy.load_state_dict(saved["extra"]["entropy"])
+    state.generator.sync(state.model)
+    rng = saved["rng"]
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])
     if rng["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
-    return state["step"]
+    return saved["step"]
 
 
 def truncate_logs(run_dir: Path, step: int, say=print) -> None:

@@ -22,7 +22,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
-from minigrpo.generation import Generator, Sampling
+from minigrpo.generate import Generator, Sampling
 from minigrpo.tools import call_fields, kept_message, message, parse_calls, run_call, turn_text
 
 

@@ -29,7 +29,7 @@ def clear_errors(command):
 
 
 def is_user_error(error: Exception) -> bool:
-    from minigrpo.sandbox import SandboxError
+    from minigrpo.sandbox.runner import SandboxError
     from minigrpo.startup import SetupError  # imported only here: it brings torch
 
     return isinstance(error, (RewardError, ValueError, FileNotFoundError, SetupError, SandboxError))

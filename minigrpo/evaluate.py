@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 from minigrpo.config import TrainConfig
-from minigrpo.generation import Generator, HFGenerator, Sampling
+from minigrpo.generate import Generator, Sampling
+from minigrpo.generate.hf import HFGenerator
 from minigrpo.scoring import score
 from minigrpo.tasks import Task, read_rows
 
@@ -161,7 +162,7 @@ def sample_completions(task: Task, rows: list[dict], adapter=None, model: str | 
     or episodes (lists of messages) where the task has tools or an environment, as training makes them.
     Returns them with their columns: what the task's rewards get beside each (the row, its environment);
     `with_ids`, and their token ids."""
-    from minigrpo import judge
+    from minigrpo.judge import rubric as judge
     from minigrpo.episodes import settle_budget
     from minigrpo.model import load_trained, seed_everything
     from minigrpo.rollout import complete

@@ -10,6 +10,7 @@ setting, including what has no equivalent.
 from __future__ import annotations
 
 import dataclasses
+from importlib import resources
 from pathlib import Path
 from typing import Callable
 
@@ -140,7 +141,7 @@ def graduate(cfg: TrainConfig, out: Path, gpus: int = 1, backend: str = "zero2",
         raise ValueError(f"--vllm-mode must be colocate or server, not {vllm_mode!r}")
     from_adapter = from_adapter or cfg.init_adapter  # a run that began from an SFT warm-up's adapter
     if from_adapter and not (Path(from_adapter) / "adapter_config.json").exists():
-        raise FileNotFoundError(f"--from-adapter {from_adapter}: no adapter_config.json there (a run's adapter "
+        raise FileNotFoundError(f"--init-adapter {from_adapter}: no adapter_config.json there (a run's adapter "
                                 f"folder is runs/<run>/adapter)")
     cfg = dataclasses.replace(cfg, task=_absolute(cfg.task), rewards=[_absolute(r) for r in cfg.rewards],
                               tools=[_absolute(t) for t in cfg.tools],
@@ -192,101 +193,21 @@ def _absolute(spec: str) -> str:
     return str(Path(path).resolve()) + sep + function if Path(path).exists() else spec
 
 
+def template(name: str) -> str:
+    """One of the files graduate writes, as a str.format template (package data: minigrpo/templates/)."""
+    return (resources.files("minigrpo") / "templates" / f"{name}.template").read_text()
+
+
 def lora_settings(cfg: TrainConfig) -> dict:
     return dict(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=list(LORA_TARGETS), task_type="CAUSAL_LM")
 
 
-SCRIPT = '''"""GRPO on TRL's GRPOTrainer with the settings of a minigrpo run: {model} on {task}.
-
-Written by `minigrpo graduate` (README.md beside it maps each setting). The task's data and reward functions
-load through minigrpo, as in the run, so they are not copied here. Launch:
-
-    accelerate launch --config_file accelerate.yaml train_trl.py
-    python train_trl.py --cpu --max-steps 2          # a smoke test without a GPU (no vLLM, no 4-bit, fp32)
-"""
-
-import argparse
-
-import torch
-from datasets import Dataset
-from peft import LoraConfig, PeftModel
-from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
-from trl import GRPOConfig, GRPOTrainer
-
-from minigrpo.graduate import trl_rewards
-from minigrpo.weights import resolve_weights
-from minigrpo.tasks import get_task
-
-MODEL = resolve_weights({hub_id!r})  # the hub id (or, offline, minigrpo's local copy of the tiny model)
-TASK, EXTRA_REWARDS, EXTRA_TOOLS, SEED = {task!r}, {rewards!r}, {tools!r}, {seed!r}
-ENVIRONMENT = {environment!r}  # TRL's environment_factory, as "file.py:Class"; None: the task's own
-REWARD_WEIGHTS = {weights!r}  # None: the task's own
-STRICT_REWARDS, REWARD_TIMEOUT = {strict!r}, {timeout!r}  # a failing reward stops the run, or scores 0; seconds
-LORA = {lora!r}  # None: full fine-tuning
-LOAD_IN_4BIT = {in_4bit!r}
-GPUS = {gpus!r}  # accelerate.yaml's processes; each takes per_device_train_batch_size completions a step
-FROM_ADAPTER = {from_adapter!r}  # continue from a minigrpo adapter
-SETTINGS = {settings}
-
-
-def conversation(row: dict, episodes: bool) -> dict:
-    """A data row with its prompt as chat messages, as minigrpo renders it; `plain_text` tells the rewards
-    to get text back, as they do in minigrpo (episodes are chat in both)."""
-    prompt = row["prompt"]
-    if isinstance(prompt, str):
-        row = dict(row, prompt=[{{"role": "user", "content": prompt}}], **({{}} if episodes else {{"plain_text": True}}))
-    return row
-
-
-def build(output_dir: str, max_steps: int, cpu: bool = False) -> GRPOTrainer:
-    task = get_task(TASK, EXTRA_REWARDS, seed=SEED, extra_tools=EXTRA_TOOLS, environment=ENVIRONMENT)
-    rewards, weights = trl_rewards(task, strict=STRICT_REWARDS, timeout=REWARD_TIMEOUT)
-    episodes = bool(task.tools or task.environment)
-    rows = [] if task.environment_prompts else [conversation(row, episodes) for row in task.make_data("train", SEED)]
-    settings = dict(SETTINGS, max_steps=max_steps, reward_weights=REWARD_WEIGHTS or weights)
-    if not cpu and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
-        settings.update(bf16=False, fp16=True)  # a T4 and older: float16, as minigrpo computes there
-    if cpu:  # one process does what the GPUs would together
-        settings.update(use_vllm=False, bf16=False, use_cpu=True, vllm_importance_sampling_correction=False,
-                        per_device_train_batch_size=SETTINGS["per_device_train_batch_size"] * GPUS)
-    model_kwargs = {{"dtype": "float32" if cpu else "auto"}}
-    if LOAD_IN_4BIT and not cpu:
-        from accelerate import PartialState
-
-        model_kwargs.update(device_map={{"": PartialState().local_process_index}}, quantization_config=BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype="bfloat16",
-            bnb_4bit_use_double_quant=True))
-    model = AutoModelForCausalLM.from_pretrained(MODEL, **model_kwargs)
-    if FROM_ADAPTER:
-        model = PeftModel.from_pretrained(model, FROM_ADAPTER, is_trainable=True)
-    return GRPOTrainer(
-        model=model, processing_class=AutoTokenizer.from_pretrained(MODEL), reward_funcs=rewards,
-        args=GRPOConfig(output_dir=output_dir, **settings), train_dataset=Dataset.from_list(rows) if rows else None,
-        peft_config=LoraConfig(**LORA) if LORA and not FROM_ADAPTER else None,
-        tools=task.tools or None, environment_factory=task.environment,
-    )
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output-dir", default="trl-output")
-    parser.add_argument("--max-steps", type=int, default=SETTINGS["max_steps"])
-    parser.add_argument("--cpu", action="store_true", help="a smoke test without a GPU: fp32, no vLLM, no 4-bit")
-    args = parser.parse_args()
-    trainer = build(args.output_dir, args.max_steps, args.cpu)
-    trainer.train()
-    trainer.save_model(args.output_dir)  # the adapter (or the model): minigrpo eval/sample/chat/export load it
-
-
-if __name__ == "__main__":
-    main()
-'''
 
 
 def script(cfg: TrainConfig, settings: dict, in_4bit: bool, full_finetune: bool, from_adapter: str | None,
            gpus: int) -> str:
     shown = "dict(\n" + "".join(f"    {k}={v!r},\n" for k, v in settings.items()) + ")"
-    return SCRIPT.format(model=cfg.model, task=cfg.task, hub_id=cfg.hub_id, rewards=list(cfg.rewards),
+    return template("train_trl.py").format(model=cfg.model, task=cfg.task, hub_id=cfg.hub_id, rewards=list(cfg.rewards),
                          tools=list(cfg.tools), seed=cfg.seed, weights=cfg.reward_weights, in_4bit=in_4bit, gpus=gpus,
                          environment=cfg.environment, strict=cfg.strict_rewards,
                          timeout=cfg.reward_timeout or None,
@@ -297,7 +218,7 @@ def script(cfg: TrainConfig, settings: dict, in_4bit: bool, full_finetune: bool,
 def readme(cfg: TrainConfig, settings: dict, gpus: int, backend: str, in_4bit: bool, full_finetune: bool) -> str:
     table = "\n".join(f"| {a} | {b} | {c} |" for a, b, c in mapping(cfg, settings, gpus, in_4bit, full_finetune))
     missing = "".join(f"- {line}\n" for line in not_carried(cfg))
-    return README.format(cfg=cfg, gpus=gpus, backend=backend, table=table, missing=missing)
+    return template("README.md").format(cfg=cfg, gpus=gpus, backend=backend, table=table, missing=missing)
 
 
 def mapping(cfg: TrainConfig, settings: dict, gpus: int, in_4bit: bool, full_finetune: bool) -> list[tuple]:
@@ -327,7 +248,7 @@ def mapping(cfg: TrainConfig, settings: dict, gpus: int, in_4bit: bool, full_fin
             ("entropy bonus", f"{cfg.entropy_coef:g}" + (f", adaptive to {cfg.entropy_target:g} nats"
                                                           if cfg.entropy_target is not None else ""),
              "entropy_coef" + (", use_adaptive_entropy, entropy_target" if cfg.entropy_target is not None else "")),
-            ("start adapter", cfg.init_adapter or "fresh", "`FROM_ADAPTER` (--from-adapter)"),
+            ("start adapter", cfg.init_adapter or "fresh", "`FROM_ADAPTER` (--init-adapter)"),
             ("TIS cap (vLLM vs trainer)", cfg.tis_cap, "vllm_importance_sampling_mode='token_truncate', _clip_max"),
             ("LoRA", "none: full fine-tuning" if full_finetune else f"r={cfg.lora_rank}, alpha={cfg.lora_alpha}, "
              "all linear projections", "`LORA` (peft LoraConfig)"),
@@ -343,58 +264,3 @@ def mapping(cfg: TrainConfig, settings: dict, gpus: int, in_4bit: bool, full_fin
              f"gradient_checkpointing={settings['gradient_checkpointing']}"),
             ("checkpoints, logging", f"every {cfg.save_every}, keep {cfg.keep}; {cfg.report_to or 'console'}",
              "save_steps, save_total_limit; report_to, logging_steps=1")]
-
-
-README = """# {cfg.model} on {cfg.task}, on TRL across {gpus} GPU(s)
-
-Written by `minigrpo graduate` from a minigrpo setup (`minigrpo_config.json`). `train_trl.py` builds TRL's
-GRPOConfig and GRPOTrainer with the equivalent settings; the task's data and reward functions load through
-minigrpo, so keep minigrpo installed (`pip install minigrpo trl accelerate deepspeed`, vLLM for generation).
-
-## Launch
-
-```bash
-accelerate launch --config_file accelerate.yaml train_trl.py            # {gpus} GPU(s), {backend}
-python train_trl.py --cpu --max-steps 2                                  # smoke test: no GPU, fp32, no vLLM
-```
-
-Several machines: in `accelerate.yaml` set `num_machines`, `machine_rank` (0 on the first),
-`main_process_ip`, `main_process_port`, and `num_processes` to all GPUs together; run the same command on
-each machine. With `vllm_mode='server'`, start the server first on its own GPU(s):
-`CUDA_VISIBLE_DEVICES=0 trl vllm-serve --model {cfg.hub_id}`, and launch training on the others.
-
-The adapter lands in `trl-output/` (`--output-dir`); minigrpo reads it back: `minigrpo eval --task {cfg.task}
---adapter trl-output`, and `sample`, `chat`, `export` the same way.
-
-## What maps to what
-
-| setting | minigrpo | TRL |
-|---|---|---|
-{table}
-
-## What has no equivalent in TRL
-
-{missing}- `--filter-groups` (DAPO's dynamic sampling: groups without reward spread dropped and refilled) and
-  `--retire-solved` (the curriculum): no TRL option; groups without spread simply carry no gradient there.
-- The in-memory judge (`Judge` without an endpoint: the base model grading inside the trainer) cannot reach a
-  model inside TRL; give the judge an `endpoint` (e.g. `vllm serve` of the base model) or use a `RewardModel`.
-- An environment's `respond(message)` (games that answer as the user) is minigrpo's: TRL's environments answer
-  through tool calls only. `--max-turns` (model turns) maps to `max_tool_calling_iterations` = turns - 1.
-- Held-out evaluation (pass@1 before/after, pass@k): run `minigrpo eval --adapter trl-output` on the result.
-- The memory plan (`minigrpo plan`): TRL sizes nothing for you; ZeRO-3 or FSDP shard the model instead.
-- `--micro-batch-size` and `--logprob-chunk-size` (minigrpo's memory knobs): TRL's per_device_train_batch_size
-  is the step's completions per GPU; gradient checkpointing, 4-bit and ZeRO are its memory levers.
-- `--max-prompt-tokens`: TRL 1.16 has no prompt length limit (`minigrpo train` refuses a prompt over it before
-  the model loads; under TRL a long prompt simply costs memory).
-
-## Metric names
-
-| minigrpo | TRL |
-|---|---|
-| reward/mean, reward/<fn>/mean | reward, rewards/<fn>/mean |
-| reward/std | reward_std |
-| frac_groups_reward_differs | 1 - frac_reward_zero_std |
-| kl, entropy, clip_frac | kl, entropy, clip_ratio/region_mean |
-| completion_len/mean, truncated_frac | completions/mean_length, completions/clipped_ratio |
-| time/step | train_runtime / steps |
-"""

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from minigrpo.config import PRESETS, TrainConfig
 from minigrpo.console import quiet_libraries
-from minigrpo.sampling import kept_logmass
+from minigrpo.generate.sampling import kept_logmass
 from minigrpo.weights import offline_copy, resolve_weights
 
 

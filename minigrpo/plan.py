@@ -21,6 +21,7 @@ import dataclasses
 import statistics
 from dataclasses import dataclass, field
 
+from minigrpo.config import PRESETS
 from minigrpo.hardware import Gpu, compute_dtype, dtype_name, host_memory_gb
 from minigrpo.weights import resolve_weights
 
@@ -35,47 +36,27 @@ QUANT_BYTES = 0.5 + 4 / 64 / 4 + 0.02  # nf4: half a byte a weight, double-quant
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the slot sizes vLLM allocates
 MAX_BATCHED_TOKENS = 4096  # the engine's per-forward token budget (prefill chunks); sizes its workspace
 
-# the architectures of the presets, so a plan (and `bench model` with random weights) needs no download
-SHAPES = {
-    "smollm2-135m": ("llama", dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                                   intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True)),
-    "smollm2-360m": ("llama", dict(hidden_size=960, num_hidden_layers=32, num_attention_heads=15, num_key_value_heads=5,
-                                   intermediate_size=2560, vocab_size=49152, tie_word_embeddings=True)),
-    "qwen-0.5b": ("qwen2", dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                                intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True)),
-    "qwen-1.5b": ("qwen2", dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                                intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True)),
-    "qwen-3b": ("qwen2", dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
-                              intermediate_size=11008, vocab_size=151936, tie_word_embeddings=True)),
-    "qwen-7b": ("qwen2", dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                              intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False)),
-    "llama-3.2-1b": ("llama", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                                   intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)),
-    "llama-3.2-3b": ("llama", dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
-                                   intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)),
-}
 
 
 def preset_shape(preset: str):
     """A transformers config of a preset's architecture, without downloading anything."""
     from transformers import AutoConfig
 
-    kind, shape = SHAPES[preset]
-    return AutoConfig.for_model(kind, max_position_embeddings=32768, **shape)
+    return AutoConfig.for_model(PRESETS[preset].model_type, max_position_embeddings=32768, **PRESETS[preset].shape)
 
 
 def shape_of(cfg):
-    """The model's architecture: a preset's from `SHAPES`, else its config from the hub or a folder."""
+    """The model's architecture: a preset's own, else its config from the hub or a folder."""
     from transformers import AutoConfig
 
-    if cfg.model in SHAPES:
+    if cfg.model in PRESETS:
         return preset_shape(cfg.model)
     weights = resolve_weights(cfg.hub_id)  # a hub id out of reach: why, in one line, without retries
     try:
         return AutoConfig.from_pretrained(weights)
     except Exception as error:
         raise ValueError(f"cannot read the config of {cfg.model!r} ({type(error).__name__}); give a preset "
-                         f"({', '.join(SHAPES)}), a local folder or a reachable hub id") from None
+                         f"({', '.join(PRESETS)}), a local folder or a reachable hub id") from None
 
 
 @dataclass(frozen=True)
@@ -112,7 +93,7 @@ class StepMemory:
     """What one training step adds to the memory of the loaded model, from the model's shape alone.
 
     Generation with transformers keeps keys and values for every row at once (vLLM's cache is part of the
-    engine's fixed share instead), in the fixed-shape decoder's one state (static_decode.py), which stays
+    engine's fixed share instead), in the fixed-shape decoder's one state (generate/static.py), which stays
     through training: the largest rollout's while it decodes (the held-out evaluation's `eval_rows` may be the
     largest), and through training the one the last rollout left (an evaluation's, where the training rollout
     fitted in it). Training runs one micro-batch at a time: with gradient checkpointing it keeps each layer's
@@ -155,7 +136,7 @@ class StepMemory:
         training = self.training_gb(rows, prompt_tokens, new_tokens)
         if not self.hf_generation:
             return training
-        from minigrpo.static_decode import rows_bucket
+        from minigrpo.generate.static import rows_bucket
 
         trained, evaluated = rows_bucket(rows), rows_bucket(eval_rows) if eval_rows else 0
         kept = evaluated if rows <= evaluated <= 2 * trained else trained  # the state a training rollout leaves

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from minigrpo import loss as L
 from minigrpo.config import TrainConfig
-from minigrpo.generation import Generator, Sampling
-from minigrpo.scoring import Scores, score, trainer_state
+from minigrpo.generate import Generator, Sampling
+from minigrpo.scoring import (NESTED, PER_COMPLETION, PER_PROMPT, SUMMED, Scores, along, join_batches, pick_groups,
+                              score, trainer_state)
 from minigrpo.tasks import Task
 
 
@@ -90,52 +91,27 @@ def joined(prompt: str | list[dict], text: str | None) -> str | list[dict]:
 @dataclass
 class Groups:
     """Completions for some prompts, G per prompt, in group order, with their scores."""
-    rows: list[dict]  # [P] data rows
-    prompt_ids: list[list[int]]  # [P]
-    completion_ids: list[list[int]]  # [B = P x G]
-    completions: list  # [B] decoded text
-    truncated: list[bool]  # [B]
-    sampler_logps: list[list[float]] | None  # [B], from engines that report them
-    scores: Scores
-    generate_s: float = 0.0  # seconds spent sampling these
-    reward_s: float = 0.0  # seconds spent scoring them
+    rows: list[dict] = along(PER_PROMPT)  # [P] data rows
+    prompt_ids: list[list[int]] = along(PER_PROMPT)  # [P]
+    completion_ids: list[list[int]] = along(PER_COMPLETION)  # [B = P x G]
+    completions: list = along(PER_COMPLETION)  # [B] decoded text
+    truncated: list[bool] = along(PER_COMPLETION)  # [B]
+    sampler_logps: list[list[float]] | None = along(PER_COMPLETION)  # [B], from engines that report them
+    scores: Scores = along(NESTED)
+    generate_s: float = along(SUMMED, default=0.0)  # seconds spent sampling these
+    reward_s: float = along(SUMMED, default=0.0)  # seconds spent scoring them
     # [B] per completion token, True where the model wrote it; None: every token is the model's. In an
     # episode, tool results and environment text sit in the completion as context and are never trained on
-    model_masks: list[list[bool]] | None = None
-    episode_stats: dict = field(default_factory=dict)  # totals over every episode sampled, kept or not
-    prompts: list | None = None  # [P] as the model read them (an environment's reset text joined); None: the rows'
+    model_masks: list[list[bool]] | None = along(PER_COMPLETION, default=None)
+    episode_stats: dict = along(SUMMED, default_factory=dict)  # totals over every episode sampled, kept or not
+    # [P] as the model read them (an environment's reset text joined); None: the rows'
+    prompts: list | None = along(PER_PROMPT, default=None)
 
     def select(self, groups: list[int], G: int) -> "Groups":
-        rows = [i * G + j for i in groups for j in range(G)]
-        pick = lambda xs: [xs[i] for i in rows] if xs is not None else None  # noqa: E731
-        logged = {k: pick(v) for k, v in self.scores.extra.items() if len(v) == len(self.completions)}
-        scores = Scores([self.scores.totals[i] for i in rows], {k: pick(v) for k, v in self.scores.values.items()},
-                        {k: pick(v) for k, v in self.scores.parts.items()}, dict(self.scores.errors), logged,
-                        self.scores.metrics)
-        return Groups([self.rows[i] for i in groups], [self.prompt_ids[i] for i in groups], pick(self.completion_ids),
-                      pick(self.completions), pick(self.truncated), pick(self.sampler_logps), scores,
-                      self.generate_s, self.reward_s, pick(self.model_masks), self.episode_stats,
-                      [self.prompts[i] for i in groups] if self.prompts is not None else None)
+        return pick_groups(self, groups, G)
 
     def __add__(self, other: "Groups") -> "Groups":
-        both = lambda a, b: a + b if a is not None and b is not None else None  # noqa: E731
-        merged = lambda a, b: {k: a.get(k, [None] * len(self.completions)) + b.get(k, [None] * len(other.completions))
-                               for k in a.keys() | b.keys()}  # noqa: E731
-        errors = {k: self.scores.errors.get(k, 0) + other.scores.errors.get(k, 0)
-                  for k in self.scores.errors.keys() | other.scores.errors.keys()}
-        metrics = {k: self.scores.metrics.get(k, []) + other.scores.metrics.get(k, [])
-                   for k in self.scores.metrics.keys() | other.scores.metrics.keys()}
-        scores = Scores(self.scores.totals + other.scores.totals, merged(self.scores.values, other.scores.values),
-                        merged(self.scores.parts, other.scores.parts), errors,
-                        merged(self.scores.extra, other.scores.extra), metrics)
-        return Groups(self.rows + other.rows, self.prompt_ids + other.prompt_ids,
-                      self.completion_ids + other.completion_ids, self.completions + other.completions,
-                      self.truncated + other.truncated, both(self.sampler_logps, other.sampler_logps), scores,
-                      self.generate_s + other.generate_s, self.reward_s + other.reward_s,
-                      both(self.model_masks, other.model_masks),
-                      {k: self.episode_stats.get(k, 0) + other.episode_stats.get(k, 0)
-                       for k in self.episode_stats.keys() | other.episode_stats.keys()},
-                      both(self.prompts, other.prompts))
+        return join_batches(self, other)
 
 
 def rollout(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, weights: list[float],

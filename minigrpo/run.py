@@ -63,9 +63,9 @@ class RunFolder:
             cfg.output_dir = str(Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}-{task}")
         path = Path(cfg.output_dir)
         if (path / "config.json").exists():
-            raise ValueError(f"--output-dir {path} already holds a run: continue it with --resume, or pick a new "
+            raise ValueError(f"--out {path} already holds a run: continue it with --resume, or pick a new "
                              f"folder (nothing was written)")
-        usable_or_fail(path, "--output-dir", may_hold_results=False)
+        usable_or_fail(path, "--out", may_hold_results=False)
         return cls(path, cfg.report_to)
 
     def start(self, cfg: TrainConfig) -> None:

@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 RESERVED = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"}  # not data
@@ -82,14 +82,58 @@ def required_columns(fn: Callable) -> list[str]:
             and p.default is p.empty and p.name not in skip]
 
 
+# how a batch's field follows its completions when groups are picked out of it or two batches are joined:
+# one value per prompt, one per completion, columns of one per completion, totals summed, lists pooled
+PER_PROMPT, PER_COMPLETION, COLUMNS, SUMMED, POOLED, NESTED = "prompt", "completion", "columns", "sum", "pool", "nested"
+
+
+def along(kind: str, **default) -> field:
+    return field(metadata={"along": kind}, **default)
+
+
 @dataclass
 class Scores:
-    totals: list[float]  # [B] weighted sum over functions (None counts 0)
-    values: dict[str, list[float | None]]  # function -> [B], None where it does not apply
-    parts: dict[str, list[float]] = field(default_factory=dict)  # "fn/part" -> [B] for dict-valued rewards
-    errors: dict[str, int] = field(default_factory=dict)  # function -> samples that raised and scored 0
-    extra: dict[str, list] = field(default_factory=dict)  # column -> [B]: what rewards passed to log_extra
-    metrics: dict[str, list[float]] = field(default_factory=dict)  # name -> values passed to log_metric
+    totals: list[float] = along(PER_COMPLETION)  # [B] weighted sum over functions (None counts 0)
+    values: dict[str, list[float | None]] = along(COLUMNS)  # function -> [B], None where it does not apply
+    parts: dict[str, list[float]] = along(COLUMNS, default_factory=dict)  # "fn/part" -> [B] for dict-valued rewards
+    errors: dict[str, int] = along(SUMMED, default_factory=dict)  # function -> samples that raised and scored 0
+    extra: dict[str, list] = along(COLUMNS, default_factory=dict)  # column -> [B]: what rewards passed to log_extra
+    metrics: dict[str, list[float]] = along(POOLED, default_factory=dict)  # name -> values passed to log_metric
+
+
+def pick_groups(batch, groups: list[int], G: int):
+    """The same kind of batch holding only `groups` (indices of prompts), each with its G completions."""
+    rows = [i * G + j for i in groups for j in range(G)]
+    n = len(batch.totals) if isinstance(batch, Scores) else len(batch.completions)
+
+    def pick(value, kind: str):
+        if value is None or kind in (SUMMED, POOLED):
+            return value  # whole-step figures stay with whatever part of the step is kept
+        if kind == NESTED:
+            return pick_groups(value, groups, G)
+        if kind == COLUMNS:  # a log_extra column of another length than the batch's cannot be split: dropped
+            return {k: [v[i] for i in rows] for k, v in value.items() if len(v) == n}
+        return [value[i] for i in (groups if kind == PER_PROMPT else rows)]
+
+    return type(batch)(**{f.name: pick(getattr(batch, f.name), f.metadata["along"]) for f in fields(batch)})
+
+
+def join_batches(a, b):
+    """Two batches of the same kind as one: a's groups, then b's."""
+    n_a, n_b = (len(x.totals) if isinstance(x, Scores) else len(x.completions) for x in (a, b))
+
+    def join(x, y, kind: str):
+        if kind == NESTED:
+            return join_batches(x, y)
+        if kind in (PER_PROMPT, PER_COMPLETION):
+            return x + y if x is not None and y is not None else None
+        if kind == COLUMNS:  # a column one side lacks is None (does not apply) on that side
+            return {k: x.get(k, [None] * n_a) + y.get(k, [None] * n_b) for k in x.keys() | y.keys()}
+        if kind == POOLED:
+            return {k: x.get(k, []) + y.get(k, []) for k in x.keys() | y.keys()}
+        return {k: x.get(k, 0) + y.get(k, 0) for k in x.keys() | y.keys()} if isinstance(x, dict) else x + y
+
+    return type(a)(**{f.name: join(getattr(a, f.name), getattr(b, f.name), f.metadata["along"]) for f in fields(a)})
 
 
 class RewardCrash(Exception):

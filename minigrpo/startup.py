@@ -16,14 +16,15 @@ from dataclasses import dataclass
 import torch
 
 from minigrpo.config import TrainConfig
-from minigrpo.generation import Generator, HFGenerator, Sampling
+from minigrpo.generate import Generator, Sampling
+from minigrpo.generate.hf import HFGenerator
 from minigrpo.hardware import Gpu, allocator_problem, compute_dtype, this_gpu, versions, vllm_available
 from minigrpo.model import load_policy, load_tokenizer, pad_batch, token_logprobs
 from minigrpo.weights import resolve_weights
 from minigrpo.plan import Plan, Settings, make_plan
 from minigrpo.rollout import render_prompt
 from minigrpo.tasks import Task, rows_and_places
-from minigrpo.vllm_engine import VLLMGenerator
+from minigrpo.generate.vllm_engine import VLLMGenerator
 
 
 class SetupError(RuntimeError):

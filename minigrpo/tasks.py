@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from minigrpo.scoring import reward_name
-from minigrpo.task_specs import split_rows  # noqa: F401 - the built-in tasks' data split, importable from here
+from minigrpo.sources.spec import split_rows  # noqa: F401 - the built-in tasks' data split, importable from here
 
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 # the built-in tasks: a name, and the module of `rewards/` whose TASK it is, loaded by name as a task file is
@@ -44,7 +44,7 @@ class Task:
     weights: list[float] | None = None  # one per reward; None: all 1.0
     examples: list[dict] = field(default_factory=list)  # rows plus "completion" (and "expected" total)
     source: Path | None = None  # the data file, for messages that name a line of it
-    runs_code: bool = False  # its rewards run model-written code (minigrpo.sandbox): checked at the start
+    runs_code: bool = False  # its rewards run model-written code (minigrpo.sandbox.runner): checked at the start
     tools: list[Callable] = field(default_factory=list)  # with tools, each completion is an episode (TRL's `tools=`)
     # a class (or function) making one environment per episode: reset(**row), its methods as tools, and
     # optionally get_reward(); TRL's `environment_factory`
@@ -72,15 +72,15 @@ def get_task(spec: str, extra_rewards: list[str] = (), seed: int = 0, extra_tool
         task = Task(environment.rpartition(":")[2], f"prompts from {environment}'s reset()", _placeholder_rows,
                     rewards=[], environment_prompts=True)
     elif spec.startswith("rg:"):
-        from minigrpo.reasoning_gym_task import fields_from_spec
+        from minigrpo.sources.reasoning_gym import fields_from_spec
 
         task = Task(**fields_from_spec(spec))
     elif spec.startswith("vf:"):
-        from minigrpo.verifiers_task import fields_from_spec
+        from minigrpo.sources.verifiers import fields_from_spec
 
         task = Task(**fields_from_spec(spec))
     elif spec.startswith("openenv:"):
-        from minigrpo.openenv_task import fields_from_spec
+        from minigrpo.sources.openenv import fields_from_spec
 
         task = Task(**fields_from_spec(spec))
     elif spec in BUILT_IN:
@@ -351,7 +351,7 @@ def check_sandbox(task: Task, allow_unconfined: bool, say) -> None:
     that lacks a required one unless the user allowed it."""
     if not task.runs_code:
         return
-    from minigrpo import sandbox
+    from minigrpo.sandbox import runner as sandbox
 
     if allow_unconfined:
         os.environ[sandbox.ALLOW_ENV] = "1"  # read by the sandbox in every call the rewards make

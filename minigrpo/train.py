@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minigrpo import checkpoint, fork, judge
+from minigrpo import checkpoint, fork
+from minigrpo.judge import rubric as judge
 from minigrpo.adapters import check_adapter
 from minigrpo import loss as L
 from minigrpo.check import precheck_rewards
@@ -27,12 +28,12 @@ from minigrpo.config import PRESETS, TrainConfig
 from minigrpo.console import Display, quiet_libraries
 from minigrpo.episodes import settle_budget
 from minigrpo.evaluate import Evaluator, settle_evaluation
-from minigrpo.generation import Generator
 from minigrpo.hardware import memory_in_use_gb, peak_memory_gb, reserved_memory_gb
-from minigrpo.model import lora_parameters, seed_everything
+from minigrpo.model import seed_everything
 from minigrpo.plot import read_jsonl
 from minigrpo.rollout import PromptPool, collect
 from minigrpo.run import RunFolder
+from minigrpo.state import RunState
 from minigrpo.startup import load_for_training
 from minigrpo.supervise import progress
 from minigrpo.tasks import Task, check_sandbox, get_task
@@ -85,35 +86,27 @@ def _load_and_train(cfg, resume, task, weights, train_rows, notes, run) -> Path:
         run.start(cfg)  # written only now that the run can start
         if cfg.forked_from:
             fork.seed_folder(run.path, cfg.forked_from)
-    model, tokenizer, generator = loaded.model, loaded.tokenizer, loaded.generator
-    judge.attach(judge.base_generate(generator, tokenizer), run.path)  # judge rewards grade with the base model
+    state = RunState.start(cfg, loaded.model, loaded.tokenizer, loaded.generator, loaded.dtype, train_rows)
+    judge.attach(judge.base_generate(state.generator, state.tokenizer), run.path)  # judges grade with the base
     try:
-        return _train(cfg, resume, task, weights, train_rows, run, display, model, tokenizer, generator,
-                      loaded.dtype)
+        return _train(cfg, resume, task, weights, run, display, state)
     finally:
         judge.attach(None, None)
-        generator.close()  # frees the engine, so a second run in this process (a notebook cell re-run) can start one
+        state.generator.close()  # frees the engine, so a second run in this process (a notebook cell re-run) can start one
 
 
-def _train(cfg, resume, task, weights, train_rows, run, display, model, tokenizer, generator, dtype) -> Path:
-    optimizer = torch.optim.AdamW(lora_parameters(model), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
-    # float16 gradients underflow; the scaler multiplies the loss up and divides the gradients back down
-    scaler = torch.amp.GradScaler(model.device.type, enabled=dtype == torch.float16)
-    prompts = PromptPool(train_rows, cfg.seed, cfg.retire_solved)
+def _train(cfg: TrainConfig, resume: bool, task: Task, weights: list[float], run: RunFolder, display: Display,
+           state: RunState) -> Path:
     evaluate = None
     if cfg.eval_every or cfg.eval_before_after:
-        evaluate = Evaluator(cfg, task, weights, tokenizer, generator, run.path)
+        evaluate = Evaluator(cfg, task, weights, state.tokenizer, state.generator, run.path)
     full = bool(cfg.eval_every)  # sampled as well as greedy; the before/after alone is greedy
     loaded_gb = memory_in_use_gb()  # the model, the engine and the data: what a step's peak stands on
-    entropy = L.EntropyControl(cfg.entropy_coef, cfg.entropy_target)
     done, resume = 0, resume or bool(cfg.forked_from)  # a fork resumes from its parent's checkpoint
     if resume and checkpoint.candidates(run.path):
-        found, done = checkpoint.load_newest(run.path, model, optimizer, scheduler, prompts, generator, scaler,
-                                             display.print, extra={"entropy": entropy})
+        found, done = checkpoint.load_newest(run.path, state, display.print)
         if cfg.forked_from:
-            fork.apply_changes(cfg, optimizer, scheduler)
+            fork.apply_changes(cfg, state.optimizer, state.scheduler)
         display.print(f"resumed from {found} (step {done})")
     elif resume:  # it stopped before its first checkpoint
         display.print(f"{run.path} has no checkpoint yet: starting it from step 0")
@@ -126,8 +119,7 @@ def _train(cfg, resume, task, weights, train_rows, run, display, model, tokenize
 
     def save(at: int) -> Path:
         progress(step=at, stage="saving a checkpoint")
-        return checkpoint.save(run.path, at, model, optimizer, scheduler, prompts, generator, cfg.keep, scaler,
-                               extra={"entropy": entropy})
+        return checkpoint.save(run.path, at, state, cfg.keep)
 
     stop = StopRequest()
     step, bad_in_a_row = done, 0
@@ -136,8 +128,7 @@ def _train(cfg, resume, task, weights, train_rows, run, display, model, tokenize
             for step in range(done + 1, cfg.steps + 1):
                 display.stage(step)
                 try:
-                    metrics, samples = train_step(cfg, step, model, tokenizer, generator, optimizer, scheduler,
-                                                  task, weights, prompts, scaler, entropy)
+                    metrics, samples = train_step(cfg, step, state, task, weights)
                 except Exception as error:
                     if not is_out_of_memory(error):
                         raise
@@ -165,9 +156,9 @@ def _train(cfg, resume, task, weights, train_rows, run, display, model, tokenize
                       f"its last checkpoint with: minigrpo train --resume {run.path}[/]")
     except Exception:
         display.print(f"[red]step {step} failed; saving the adapter before stopping[/]")
-        run.save_adapter(model)
+        run.save_adapter(state.model)
         raise
-    adapter = run.save_adapter(model)
+    adapter = run.save_adapter(state.model)
     display.print(f"adapter saved to {adapter}")
     display.before_after(read_jsonl(run.path / "eval.jsonl"), cfg.eval_data)
     return run.path
@@ -258,10 +249,11 @@ def out_of_memory_advice(cfg: TrainConfig) -> str:
                else ""))
 
 
-def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generator, optimizer, scheduler,
-               task: Task, weights: list[float], prompts: PromptPool, scaler,
-               entropy: L.EntropyControl | None = None) -> tuple[dict, list[dict]]:
-    """One GRPO step, in its stages; returns the step's metrics and its samples."""
+def train_step(cfg: TrainConfig, step: int, state: RunState, task: Task,
+               weights: list[float]) -> tuple[dict, list[dict]]:
+    """One GRPO step, in its stages, advancing `state`; returns the step's metrics and its samples."""
+    model, tokenizer, generator, prompts, entropy = state.model, state.tokenizer, state.generator, state.prompts, \
+        state.entropy
     clock = {"start": time.perf_counter()}
 
     # 1. rollout: G completions per prompt, scored (with --filter-groups, only groups with spread)
@@ -281,12 +273,11 @@ def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generat
     progress(step=step, stage="update")
     model.train()
     mb = micro_batches(cfg, batch, tokenizer.pad_token_id, model.device)
-    entropy = entropy or L.EntropyControl(cfg.entropy_coef, cfg.entropy_target)
-    update = policy_update(cfg, model, mb, advantages, optimizer, scaler, entropy.applied())
+    update = policy_update(cfg, model, mb, advantages, state.optimizer, state.scaler, entropy.applied())
     update.totals["entropy_coef"] = entropy.applied()
     entropy.step(update.totals["entropy"])
-    lr = optimizer.param_groups[0]["lr"]  # the rate this step used (a fork sets its own)
-    scheduler.step()
+    lr = state.optimizer.param_groups[0]["lr"]  # the rate this step used (a fork sets its own)
+    state.scheduler.step()
     clock["update"] = time.perf_counter()
 
     # 4. the generator gets the new adapter
@@ -295,7 +286,7 @@ def train_step(cfg: TrainConfig, step: int, model, tokenizer, generator: Generat
     clock["sync"] = time.perf_counter()
 
     # 5. metrics and samples
-    metrics = step_metrics(step, batch, info, rewards, mb, update, lr, clock, scaler, prompts)
+    metrics = step_metrics(step, batch, info, rewards, mb, update, lr, clock, state.scaler, prompts)
     return metrics, samples_of(step, batch, rewards, advantages, cfg.num_generations)
 
 

@@ -1,4 +1,4 @@
-"""Haiku on a topic, graded by a judge: the base model in memory, against a rubric (`minigrpo/judge.py`).
+"""Haiku on a topic, graded by a judge: the base model in memory, against a rubric (`minigrpo/judge/`).
 
 No program can say whether a haiku is good; a judge can say roughly how well it meets a rubric. The judge here
 is the model being trained with its adapters off, so it costs no memory; it is weak for a tiny model and

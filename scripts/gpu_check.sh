@@ -64,14 +64,14 @@ stage() {  # stage NAME SECONDS TITLE COMMAND...: one titled, timed, time-limite
 }
 
 random_model() {  # random_model PRESET FOLDER: random weights of the preset's shape, with a tokenizer
-  python -c "import sys; from pathlib import Path; from minigrpo.bench import weights_or_random
+  python -c "import sys; from pathlib import Path; from minigrpo.bench.steps import weights_or_random
 print(weights_or_random(sys.argv[1], Path(sys.argv[2]), random_weights=True)[0])" "$1" "$2"
 }
 
 export_memory() {  # export_memory FOLDER: the streamed export's extra device memory against its largest shard
   python - "$1" "$work/export" <<'PY'
 import json, os, sys
-from minigrpo.bench import extra_memory_gb
+from minigrpo.bench.steps import extra_memory_gb
 from minigrpo.config import TrainConfig
 from minigrpo.export import export_weights
 from minigrpo.model import default_dtype, load_policy, load_tokenizer
@@ -87,9 +87,9 @@ PY
 decode_speed() {  # decode_speed FOLDER: ms per new token of `transformers` decoding, eager and fixed-shape loops
   python - "$1" "${DECODE_ROWS:-1 8 32}" "${DECODE_TOKENS:-3 35}" <<'PY'
 import json, sys
-from minigrpo.bench_decode import cpu_model, measure
+from minigrpo.bench.decode import cpu_model, measure
 from minigrpo.config import TrainConfig
-from minigrpo.generation import HFGenerator
+from minigrpo.generate.hf import HFGenerator
 from minigrpo.model import default_dtype, load_policy, load_tokenizer
 path, dtype = sys.argv[1], default_dtype()
 policy = load_policy(TrainConfig(load_in_4bit=True), path, dtype).eval()
@@ -106,7 +106,7 @@ decode_correct() {  # decode_correct FOLDER: the fixed-shape loop decodes as the
   python - "$1" "${CHECK_ROWS:-8}" "${CHECK_TOKENS:-24}" ${CHECK_DTYPES:-auto float16} <<'PY'
 import sys
 import torch
-from minigrpo.bench_decode import _policy, decode_agreement
+from minigrpo.bench.decode import _policy, decode_agreement
 folder, rows, tokens, failed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), 0
 for dtype in sys.argv[4:]:
     policy = _policy(folder, load_in_4bit=True, dtype=dtype)
@@ -125,7 +125,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from minigrpo.config import TrainConfig
-from minigrpo.bench import peak_agrees
+from minigrpo.bench.steps import peak_agrees
 from minigrpo.plan import plans_for
 from minigrpo.train import GAP_WARNING
 run = Path(sys.argv[1])
@@ -198,7 +198,7 @@ PY
   stage fp16 ${FP16_S:-60} "float16, as on a T4: three training steps of $small (random weights)" bash -c "
     folder=\$(random_model $small $work/small | tail -1) &&
     python -m minigrpo.cli train --model \$folder \$(preset_flags $small) --task addition --steps 3 --dtype float16 --generator hf \
-      --reward $work/varied.py:vowel_share --output-dir $work/run-fp16 --sample-every 0 --no-eval-before-after &&
+      --reward $work/varied.py:vowel_share --out $work/run-fp16 --sample-every 0 --no-eval-before-after &&
     tail -n 3 $work/run-fp16/metrics.jsonl && first_run_checks $work/run-fp16"
   stage export ${EXPORT_S:-60} "export of $export_model's 4-bit policy, streamed" bash -c "
     folder=\$(random_model $export_model $work/big-export | tail -1) && export_memory \$folder"

@@ -27,7 +27,7 @@ PROMPTS = {"default": "", "direct": "system_prompt=direct", "direct, 2 shots": "
 
 def screen(generators, prompts: int, max_new_tokens: int, out: Path) -> None:
     from minigrpo.evaluate import Evaluator
-    from minigrpo.generation import HFGenerator
+    from minigrpo.generate.hf import HFGenerator
     from minigrpo.model import load_trained, seed_everything
     from minigrpo.tasks import get_task
 

@@ -23,7 +23,7 @@ def one_trl_step(tmp_path):
 
     from typer.testing import CliRunner
 
-    from minigrpo.cli import app
+    from minigrpo.cli.app import app
 
     def run(*flags: str) -> str:
         pytest.importorskip("trl")
@@ -66,8 +66,8 @@ def pytest_terminal_summary(terminalreporter):
     if slow:
         terminalreporter.write_line(f"{len(slow)} learning proofs left out (minutes each): "
                                     "python -m pytest -m slow runs them")
-    if "minigrpo.sandbox" in __import__("sys").modules:
-        from minigrpo.sandbox import describe, layers
+    if "minigrpo.sandbox.runner" in __import__("sys").modules:
+        from minigrpo.sandbox.runner import describe, layers
 
         terminalreporter.write_line(f"{describe(layers())} (uid {os.geteuid()})")
     for line in getattr(terminalreporter.config, "sandbox_layers_as_nobody", []):

@@ -12,7 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from minigrpo import loss as L
-from minigrpo.cli import app
+from minigrpo.cli.app import app
 from minigrpo.config import TrainConfig
 from minigrpo.graduate import not_carried, trl_settings
 from minigrpo.scoring import Scores
@@ -76,7 +76,7 @@ def test_every_knob_is_refused_with_its_fix_when_out_of_range(tmp_path):
                         (["--entropy-coef", "-1"], "entropy_coef must be >= 0"),
                         (["--reference-adapter", str(tmp_path)], "reference_adapter is the KL's reference: it needs"),
                         (["--init-adapter", str(tmp_path)], "is not an adapter folder")]:
-        result = CliRunner().invoke(app, ["train", *flags, "--output-dir", str(tmp_path / "run")])
+        result = CliRunner().invoke(app, ["train", *flags, "--out", str(tmp_path / "run")])
         assert result.exit_code != 0 and says in " ".join(result.output.split()), result.output
 
 
@@ -109,7 +109,7 @@ def test_init_adapter_starts_from_the_warmup_and_reference_adapter_is_the_kls_re
     for name, flags in [("base_k3", []), ("base_k1", ["--kl-estimator", "k1"]),
                         ("own_reference", ["--reference-adapter", str(warmup)])]:
         result = CliRunner().invoke(app, ["train", *TINY, "--init-adapter", str(warmup), "--beta", "0.1", *flags,
-                                          "--output-dir", str(tmp_path / name)])
+                                          "--out", str(tmp_path / name)])
         assert result.exit_code == 0, result.output
         runs[name] = read_metrics(tmp_path / name)[0]["kl"]
     # started from the warm-up, the policy is not the base: a KL to the base; none to its own starting point
@@ -120,7 +120,7 @@ def test_init_adapter_starts_from_the_warmup_and_reference_adapter_is_the_kls_re
 def test_the_adaptive_entropy_coefficient_moves_and_survives_a_resume(tmp_path):
     run = tmp_path / "run"
     flags = [*TINY[2:], "--entropy-coef", "0.01", "--entropy-target", "100", "--save-every", "1"]
-    first = CliRunner().invoke(app, ["train", "--steps", "2", *flags, "--output-dir", str(run)])
+    first = CliRunner().invoke(app, ["train", "--steps", "2", *flags, "--out", str(run)])
     assert first.exit_code == 0, first.output
     again = CliRunner().invoke(app, ["train", "--resume", str(run), "--steps", "3"])
     assert again.exit_code == 0, again.output
@@ -130,13 +130,13 @@ def test_the_adaptive_entropy_coefficient_moves_and_survives_a_resume(tmp_path):
 
 def test_a_fork_starts_from_the_parents_checkpoint_with_its_changes(tmp_path):
     parent = tmp_path / "parent"
-    trained = CliRunner().invoke(app, ["train", "--steps", "2", *TINY[2:], "--save-every", "1", "--output-dir",
+    trained = CliRunner().invoke(app, ["train", "--steps", "2", *TINY[2:], "--save-every", "1", "--out",
                                        str(parent)])
     assert trained.exit_code == 0, trained.output
     before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in parent.rglob("*") if p.is_file()}
     child = tmp_path / "child"
     forked = CliRunner().invoke(app, ["train", "--fork", f"{parent}@1", "--learning-rate", "1e-3", "--steps", "3",
-                                      "--output-dir", str(child)])
+                                      "--out", str(child)])
     assert forked.exit_code == 0, forked.output
     assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in parent.rglob("*") if p.is_file()} == before
     config = json.loads((child / "config.json").read_text())
@@ -148,7 +148,7 @@ def test_a_fork_starts_from_the_parents_checkpoint_with_its_changes(tmp_path):
                         ([f"{parent}@2"], "give --steps above 2"),
                         ([f"{parent}@1", "--model", "smollm2-360m"], "a fork keeps it"),
                         ([f"{parent}@1", "--task", "countdown", "--steps", "3"], "a fork keeps --task")]:
-        result = CliRunner().invoke(app, ["train", "--fork", *flags, "--output-dir", str(tmp_path / "x")])
+        result = CliRunner().invoke(app, ["train", "--fork", *flags, "--out", str(tmp_path / "x")])
         assert result.exit_code != 0 and says in " ".join(result.output.split()), result.output
         assert not (tmp_path / "x").exists(), "nothing written"
 
@@ -170,7 +170,7 @@ def test_maxrl_with_rewards_below_zero_says_so_and_spread_counts_groups_with_gra
     warns once, naming what to use instead."""
     from typer.testing import CliRunner
 
-    from minigrpo.cli import app
+    from minigrpo.cli.app import app
 
     (tmp_path / "negative.py").write_text("def minus(completions, **kwargs):  # 0 once, then -1: spread, mean below 0\n"
                                           "    return [-float(i % 4 > 0) for i in range(len(completions))]\n")
@@ -178,7 +178,7 @@ def test_maxrl_with_rewards_below_zero_says_so_and_spread_counts_groups_with_gra
     result = CliRunner().invoke(app, ["train", "--advantage", "maxrl", "--reward", f"{tmp_path / 'negative.py'}:minus",
                                       "--reward-weight", "0", "--reward-weight", "1", "--steps", "1", "-G", "4",
                                       "--prompts-per-step", "2", "--max-new-tokens", "6", "--no-eval-before-after",
-                                      "--output-dir", str(out)])
+                                      "--out", str(out)])
     assert result.exit_code == 0, result.output
     metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert metrics["frac_groups_reward_differs"] == 0.0 and metrics["maxrl/groups_below_zero"] > 0, metrics
@@ -235,7 +235,7 @@ def test_an_adapter_folder_that_cannot_serve_is_one_line_before_the_model_loads(
                                       "base_model_name_or_path": "meta-llama/Llama-3.2-1B-Instruct"}))
     for flag in ("--init-adapter", "--reference-adapter"):
         result = CliRunner().invoke(app, ["train", *TINY, flag, str(folder), "--beta", "0.1",
-                                          "--output-dir", str(tmp_path / "run")])
+                                          "--out", str(tmp_path / "run")])
         said = " ".join(result.output.split())
         assert result.exit_code in (1, 2) and f"{flag} {folder}" in said and says in said, result.output
         assert "loading" not in said and "Traceback" not in said and not (tmp_path / "run").exists()

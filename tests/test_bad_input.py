@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from minigrpo import TrainConfig, per_sample
 from minigrpo.checkpoint import truncate_logs
-from minigrpo.cli import app
+from minigrpo.cli.app import app
 from minigrpo.console import Display
 from minigrpo.run import RunFolder, results_folder
 from minigrpo.scoring import RewardError, score
@@ -177,12 +177,12 @@ def test_bf16_projections_go_with_a_float32_model_only(flags):
 
 
 def test_a_model_name_typo_suggests_the_preset_and_leaves_no_folder(tmp_path):
-    one_line_error(*cli("train", "--model", "qwen-1.5bb", "--output-dir", tmp_path / "run"), "did you mean qwen-1.5b")
+    one_line_error(*cli("train", "--model", "qwen-1.5bb", "--out", tmp_path / "run"), "did you mean qwen-1.5b")
     assert not (tmp_path / "run").exists()
 
 
 def test_a_model_out_of_reach_stops_the_run_before_its_folder(tmp_path):
-    one_line_error(*cli("train", "--model", "someone/not-downloaded", "--output-dir", tmp_path / "run"),
+    one_line_error(*cli("train", "--model", "someone/not-downloaded", "--out", tmp_path / "run"),
                    "cannot load someone/not-downloaded: HF_HUB_OFFLINE=1 and it is not in the local cache")
     assert not (tmp_path / "run").exists()
     one_line_error(*cli("eval", "--task", "addition", "--model", "someone/not-downloaded"), "not in the local cache")
@@ -244,16 +244,16 @@ def test_resume_takes_the_same_options_and_names_those_that_differ(tmp_path):
     # the command that started it, with --resume appended, passes that check (and goes on to load the task;
     # its reward file is gone here, which is what stops it)
     code, output = cli("train", "--resume", tmp_path, "--model", "smollm2-135m", "--beta", "0.1", "--reward", "r.py:r",
-                       "--output-dir", tmp_path)
+                       "--out", tmp_path)
     one_line_error(code, output, "no such file: r.py")
     assert "only --steps can change" not in output
 
 
 def test_lengths_beyond_the_model_are_refused_before_it_loads(tmp_path):
-    one_line_error(*cli("train", "--max-new-tokens", "100000", "--output-dir", tmp_path / "run"),
+    one_line_error(*cli("train", "--max-new-tokens", "100000", "--out", tmp_path / "run"),
                    "more than smollm2-135m's context of")
     data = write(tmp_path / "long.jsonl", '{"prompt": "short"}\n\n{"prompt": "' + "word " * 900 + '"}\n')
-    one_line_error(*cli("train", "--task", data, "--reward", a_reward(tmp_path), "--output-dir", tmp_path / "run"),
+    one_line_error(*cli("train", "--task", data, "--reward", a_reward(tmp_path), "--out", tmp_path / "run"),
                    f"{data}, line 3: the prompt is", "--max-prompt-tokens 512")
     assert not (tmp_path / "run").exists()
 
@@ -264,12 +264,12 @@ def test_a_folder_that_is_not_this_runs_is_never_written(tmp_path):
     theirs = tmp_path / "mine"
     theirs.mkdir()
     write(theirs / "config.json", "my own config")
-    one_line_error(*cli("train", "--output-dir", theirs), "already holds a run", "nothing was written")
+    one_line_error(*cli("train", "--out", theirs), "already holds a run", "nothing was written")
     assert (theirs / "config.json").read_text() == "my own config"
     write(theirs / "notes.txt", "x")
     (theirs / "config.json").unlink()
-    one_line_error(*cli("train", "--output-dir", theirs), "is not empty")
-    one_line_error(*cli("train", "--output-dir", theirs / "notes.txt"), "is a file")
+    one_line_error(*cli("train", "--out", theirs), "is not empty")
+    one_line_error(*cli("train", "--out", theirs / "notes.txt"), "is a file")
     assert sorted(p.name for p in theirs.iterdir()) == ["notes.txt"]
 
 
@@ -371,7 +371,7 @@ def test_a_run_survives_none_rewards_and_resumes_past_damage(tmp_path):
     write(tmp_path / "none.py", "def never(prompts, completions, **kw):\n    return [None] * len(completions)\n")
     run = tmp_path / "run"
     code, output = cli("train", "--steps", 2, *FAST, "--reward", f"{tmp_path / 'none.py'}:never", "--sample-every", 1,
-                       "--save-every", 1, "--output-dir", run)
+                       "--save-every", 1, "--out", run)
     assert code == 0, output
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
     with open(run / "samples.jsonl", "a") as f:
@@ -390,16 +390,16 @@ def test_a_small_data_file_trains_and_says_the_before_after_was_skipped(tmp_path
     data = write(tmp_path / "ok.jsonl", '{"prompt": "Say hi."}\n{"prompt": "Say yes."}\n{"prompt": "Say no."}\n')
     small = ["-G", "2", "--prompts-per-step", "2", "--max-new-tokens", "8"]
     code, output = cli("train", "--task", data, "--reward", a_reward(tmp_path), "--steps", "1", *small,
-                       "--output-dir", tmp_path / "run")
+                       "--out", tmp_path / "run")
     assert code == 0, output
     assert "task ok has no held-out rows, so the before/after evaluation is skipped; for it, give --eval-data" in output
     one_line_error(*cli("train", "--task", data, "--reward", a_reward(tmp_path), "--eval-every", "1",
-                        "--output-dir", tmp_path / "run2"), "--eval-every 1: task ok has no held-out rows")
+                        "--out", tmp_path / "run2"), "--eval-every 1: task ok has no held-out rows")
     one_line_error(*cli("train", "--task", data, "--reward", a_reward(tmp_path), "--eval-data", tmp_path / "nope.jsonl",
-                        "--output-dir", tmp_path / "run2"), "nope.jsonl: no such file")
+                        "--out", tmp_path / "run2"), "nope.jsonl: no such file")
     held_out = write(tmp_path / "held.jsonl", '{"prompt": "Say maybe."}\n{"prompt": "Say no."}\n')
     code, output = cli("train", "--task", data, "--reward", a_reward(tmp_path), "--eval-data", held_out, "--steps",
-                       "1", *small, "--output-dir", tmp_path / "run3")
+                       "1", *small, "--out", tmp_path / "run3")
     assert code == 0 and "1 of the 2 held-out prompts are also training prompts" in output, output
     assert f"held-out, 2 prompts of {held_out}: pass@1" in output
 
@@ -424,7 +424,7 @@ def test_the_misleading_lines_of_eval_and_sft_now_name_the_cause(tmp_path):
     sft --out a run folder said it was "not a run folder"; an sft `messages` row of strings was a traceback."""
     from typer.testing import CliRunner
 
-    from minigrpo.cli import app
+    from minigrpo.cli.app import app
 
     run = tmp_path / "run"
     (run / "checkpoints" / "step-000002" / "adapter").mkdir(parents=True)

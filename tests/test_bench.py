@@ -3,7 +3,7 @@
 
 from rich.console import Console
 
-from minigrpo.bench import bench_model
+from minigrpo.bench.steps import bench_model
 
 
 def test_bench_model_measures_each_setting_and_prints_a_plan():
@@ -21,14 +21,14 @@ def test_bench_model_measures_each_setting_and_prints_a_plan():
 def test_a_failing_benchmark_child_shows_its_last_lines():
     import pytest
 
-    from minigrpo.bench import ChildFailed, run_child
+    from minigrpo.bench.steps import ChildFailed, run_child
 
     with pytest.raises(ChildFailed, match=r"exit status 1(.|\n)*ZeroDivisionError: division by zero"):
         run_child("print('noise'); 1 / 0", [])
 
 
 def test_the_trl_table_prints_what_was_measured_and_why_the_rest_was_not():
-    from minigrpo.bench_trl import print_trl_table
+    from minigrpo.bench.trl import print_trl_table
 
     console = Console(record=True, width=200)
     measured = [{"time/step": 10.0, "mem/peak_gb": 2.0, "time/generate": 4.0, "tokens_per_s": 150.0},
@@ -52,7 +52,7 @@ def test_a_benchmark_killed_from_outside_takes_its_child_along(tmp_path):
 
     pid_file = tmp_path / "child.pid"
     child_code = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(600)"
-    parent = subprocess.Popen([sys.executable, "-c", "import sys; from minigrpo.bench import run_child; "
+    parent = subprocess.Popen([sys.executable, "-c", "import sys; from minigrpo.bench.steps import run_child; "
                                f"run_child({child_code!r}, [sys.argv[1]])", str(pid_file)])
     while not (pid_file.exists() and pid_file.read_text()):  # the child is up (no clock: it gets there or the test hangs)
         assert parent.poll() is None, "the benchmark ended before its child started"

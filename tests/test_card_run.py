@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from minigrpo.config import TrainConfig
-from minigrpo.generation import HFGenerator, Sampling
+from minigrpo.generate import Sampling
+from minigrpo.generate.hf import HFGenerator
 from minigrpo.model import load_policy, load_tokenizer, lora_parameters
 from minigrpo.rollout import Groups, render_prompt
-from minigrpo.sampling import sample
+from minigrpo.generate.sampling import sample
 from minigrpo.scoring import Scores
 
 
@@ -92,7 +93,7 @@ def test_a_closed_engine_leaves_nothing_frozen_or_alive_and_a_second_one_starts(
     import vllm.v1.engine.core as core
     import vllm.v1.worker.gpu_worker as worker
 
-    from minigrpo.vllm_engine import VLLMGenerator
+    from minigrpo.generate.vllm_engine import VLLMGenerator
 
     names = {name: getattr(gc, name) for name in dir(gc) if not name.startswith("_")}
     for module in (core, parallel_state, worker):
@@ -145,7 +146,7 @@ def test_a_prompt_twice_in_one_engine_call_gets_two_different_groups(tiny_model_
     """vLLM seeds completion i of a request with its seed + i: one seed for a whole call gave every prompt the same
     seeds, so a prompt drawn twice in a step (or two prompts the model reads alike) got the same group twice."""
     pytest.importorskip("vllm")
-    from minigrpo.vllm_engine import VLLMGenerator
+    from minigrpo.generate.vllm_engine import VLLMGenerator
 
     tokenizer = load_tokenizer(tiny_model_path)
     policy = load_policy(TrainConfig(lora_rank=8, load_in_4bit=True), tiny_model_path, torch.float32)
@@ -256,8 +257,8 @@ def test_the_decode_correctness_check_passes_and_catches_a_stale_graph(tmp_path,
     """What the GPU check asserts on a card (the captured graph decodes as the eager loop and the trainer, before
     and after an optimizer step), run on a 4-bit + LoRA model of 3 layers; with the adapter's refresh taken out,
     the checks after the step fail: they can."""
-    from minigrpo.bench_decode import _policy, decode_agreement, depth_only
-    from minigrpo.static_decode import StaticDecoder
+    from minigrpo.bench.decode import _policy, decode_agreement, depth_only
+    from minigrpo.generate.static import StaticDecoder
 
     folder = depth_only("qwen-1.5b", tmp_path / "model", layers=3)
     results = decode_agreement(_policy(folder, load_in_4bit=True), rows=4, new_tokens=8)
@@ -289,7 +290,7 @@ class _Card:
     def generate(self, prompts, sampling):
         self._wake()
         self._sleep()
-        from minigrpo.generation import Rollout
+        from minigrpo.generate import Rollout
 
         return Rollout([[1, 2]] * sampling.n, [False] * sampling.n)
 
@@ -298,7 +299,7 @@ class _Card:
 def test_the_doctors_sleep_check_measures_an_awake_engine(monkeypatch, frees_gb, passes):
     """Read while it was already asleep, an engine that gives nothing back passed ("freed 0.00 GB"). Awake first,
     the check measures sleeping itself."""
-    from minigrpo import doctor
+    from minigrpo.cli import doctor
 
     card = _Card(frees_gb)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (card.free, 80 * 2**30))
@@ -338,7 +339,7 @@ def test_expandable_segments_are_named_before_an_old_vllm_starts(monkeypatch, ti
 
 
 def test_the_doctor_fails_a_vllm_built_for_another_torch():
-    from minigrpo.doctor import FAIL, check_versions
+    from minigrpo.cli.doctor import FAIL, check_versions
     from minigrpo.hardware import CARDS, vllm_problem
 
     found = {"torch": "2.11.0", "transformers": "5.19.0", "peft": "0.21.2", "bitsandbytes": "0.50.2", "vllm": "0.11.2"}

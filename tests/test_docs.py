@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import typer
 
-from minigrpo.cli import app
-from minigrpo.cli_reference import render
+from minigrpo.cli.app import app
+from minigrpo.cli.reference import render
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -23,7 +23,7 @@ INLINE_COMMAND = re.compile(r"`(minigrpo\s[^`]+)`")
 
 def test_the_cli_reference_is_current():
     assert (ROOT / "docs" / "cli.md").read_text() == render(), \
-        "docs/cli.md is stale: python -m minigrpo.cli_reference > docs/cli.md"
+        "docs/cli.md is stale: python -m minigrpo.cli.reference > docs/cli.md"
 
 
 def documented_commands() -> list[tuple[str, str]]:
@@ -111,3 +111,14 @@ def test_no_figure_of_the_old_readme_was_lost():
     figures = (ROOT / "tests" / "data" / "readme_figures.txt").read_text().split("\n")
     missing = [f for f in figures if f and f not in everything]
     assert not missing, f"figures no longer documented: {missing[:20]}"
+
+
+def test_the_design_map_names_every_module_once():
+    """docs/design.md's layout is how a newcomer finds a file: every module of minigrpo/ and rewards/ is on it,
+    once, and nothing on it is gone."""
+    layout = (ROOT / "docs/design.md").read_text().split("## Layout", 1)[1].split("```")[1]
+    listed = [line.split()[0] for line in layout.splitlines() if line.strip() and not line.startswith("#")]
+    modules = {str(p.relative_to(ROOT)) for package in ("minigrpo", "rewards") for p in (ROOT / package).rglob("*.py")}
+    assert sorted(p for p in listed if p.endswith(".py") and not p.startswith("scripts/")) == sorted(
+        p for p in modules if not p.endswith("rewards/__init__.py")), set(listed) ^ modules
+    assert all((ROOT / p.rstrip("/")).exists() for p in listed), [p for p in listed if not (ROOT / p.rstrip("/")).exists()]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from minigrpo.episodes import Limits, run_episodes
-from minigrpo.generation import Rollout
+from minigrpo.generate import Rollout
 from minigrpo.model import load_tokenizer
 from minigrpo.tools import render
 
@@ -99,7 +99,7 @@ def test_failed_calls_are_counted_and_answered(tokenizer):
 
 def test_episodes_with_the_real_model_and_generator(tiny_model_path, tokenizer):
     from minigrpo.config import TrainConfig
-    from minigrpo.generation import HFGenerator
+    from minigrpo.generate.hf import HFGenerator
     from minigrpo.model import load_policy
 
     torch.manual_seed(0)
@@ -176,7 +176,7 @@ def test_train_end_to_end_with_the_tasks_tools_and_a_tool_flag(tmp_path):
 
     from typer.testing import CliRunner
 
-    from minigrpo.cli import app
+    from minigrpo.cli.app import app
 
     (tmp_path / "sums.py").write_text(TASK_FILE)
     (tmp_path / "more.py").write_text('def double(x: int) -> int:\n    """Twice x.\n\n    Args:\n        x: A number.\n'
@@ -185,7 +185,7 @@ def test_train_end_to_end_with_the_tasks_tools_and_a_tool_flag(tmp_path):
     result = CliRunner().invoke(app, [
         "train", "--task", str(tmp_path / "sums.py"), "--tool", f"{tmp_path / 'more.py'}:double", "--steps", "2",
         "-G", "2", "--prompts-per-step", "2", "--max-new-tokens", "12", "--max-turns", "2", "--sample-every", "1",
-        "--eval-prompts", "4", "--output-dir", str(out)])
+        "--eval-prompts", "4", "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert "warning" not in result.output, "the precheck gives the reward episode-shaped stand-ins"
     config = json.loads((out / "config.json").read_text())
@@ -202,7 +202,7 @@ def test_train_end_to_end_with_the_tasks_tools_and_a_tool_flag(tmp_path):
     assert evaluated.exit_code == 0 and "pass@1" in evaluated.output, evaluated.output
     assert len((out / "eval.jsonl").read_text().splitlines()) == 3
     bad = CliRunner().invoke(app, ["train", "--task", str(tmp_path / "sums.py"), "--tool", f"{tmp_path / 'sums.py'}:add",
-                                   "--output-dir", str(tmp_path / "bad")])
+                                   "--out", str(tmp_path / "bad")])
     assert bad.exit_code != 0 and "two tools share a name (add)" in bad.output
 
 
@@ -293,13 +293,13 @@ def test_train_end_to_end_in_an_environment(tmp_path):
 
     from typer.testing import CliRunner
 
-    from minigrpo.cli import app
+    from minigrpo.cli.app import app
 
     (tmp_path / "game.py").write_text(GAME_FILE)
     out = tmp_path / "run"
     result = CliRunner().invoke(app, [
         "train", "--task", str(tmp_path / "game.py"), "--steps", "1", "-G", "2", "--prompts-per-step", "2",
-        "--max-new-tokens", "12", "--max-turns", "2", "--eval-prompts", "2", "--output-dir", str(out)])
+        "--max-new-tokens", "12", "--max-turns", "2", "--eval-prompts", "2", "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert "warning" not in result.output
     (metrics,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -366,12 +366,12 @@ def test_the_guess_game_trains_end_to_end(tmp_path):
 
     from typer.testing import CliRunner
 
-    from minigrpo.cli import app
+    from minigrpo.cli.app import app
 
     out = tmp_path / "run"
     result = CliRunner().invoke(app, ["train", "--task", "guess", "--steps", "1", "-G", "2", "--prompts-per-step", "2",
                                       "--max-new-tokens", "8", "--max-turns", "3", "--no-eval-before-after",
-                                      "--sample-every", "1", "--output-dir", str(out)])
+                                      "--sample-every", "1", "--out", str(out)])
     assert result.exit_code == 0, result.output
     (sample, *_) = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert sample["completion"][0]["role"] == "assistant" and 1 <= sample["turns"] <= 3
@@ -382,10 +382,10 @@ def test_the_guess_game_trains_end_to_end(tmp_path):
 def test_sample_and_check_reward_show_episodes(tmp_path):
     from typer.testing import CliRunner
 
-    from minigrpo.cli import app
+    from minigrpo.cli.app import app
 
     runner = CliRunner()
-    result = runner.invoke(app, ["sample", "--task", "guess", "--prompts", "1", "--n", "2", "--max-new-tokens", "8",
+    result = runner.invoke(app, ["sample", "--task", "guess", "--prompts", "1", "--samples", "2", "--max-new-tokens", "8",
                                  "--max-turns", "2", "--temperature", "1.0"])
     assert result.exit_code == 0, result.output
     assert result.output.count("[assistant]") >= 2 and result.output.count("\nreward ") == 2
@@ -412,7 +412,7 @@ def test_eval_and_check_reward_sample_episodes_under_the_turn_limit_asked_for(mo
     from typer.testing import CliRunner
 
     from minigrpo import episodes
-    from minigrpo.cli import app
+    from minigrpo.cli.app import app
 
     seen = []
     settle = episodes.settle_budget

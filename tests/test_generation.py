@@ -5,7 +5,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from minigrpo.generation import Sampling, decode, sample
+from minigrpo.generate import Sampling
+from minigrpo.generate.hf import decode, sample
 from minigrpo.rollout import render_prompt
 
 
@@ -85,7 +86,7 @@ def test_the_cache_goes_by_the_name_this_transformers_takes(model_and_prompts):
     the decode loop uses whichever the model takes, so it runs without the warning on either side of the rename."""
     import warnings
 
-    from minigrpo.generation import cache_keyword
+    from minigrpo.generate.hf import cache_keyword
 
     class Before:
         def forward(self, input_ids=None, past_key_values=None, use_cache=None, **kwargs): ...

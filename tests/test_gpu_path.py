@@ -14,7 +14,7 @@ import torch
 from typer.testing import CliRunner
 
 from minigrpo import hardware
-from minigrpo.cli import app
+from minigrpo.cli.app import app
 from minigrpo.config import PRESETS, TrainConfig
 from minigrpo.hardware import CARDS, Gpu, compute_dtype, vllm_requirement, vllm_supported
 from minigrpo.plan import Settings, Sizes, make_plan, preset_shape
@@ -88,7 +88,7 @@ class V012(Slots):  # vllm 0.12 and later: PEFT's layout, three arguments
 @pytest.mark.parametrize("layer_class", [V010, V011, V012])
 @pytest.mark.parametrize("packed", [False, True])
 def test_set_lora_is_adapted_to_each_vllm_signature(layer_class, packed):
-    from minigrpo.vllm_engine import adapt_set_lora
+    from minigrpo.generate.vllm_engine import adapt_set_lora
 
     shapes = [(16, 12), (16, 4), (16, 4)] if packed else [(16, 12)]  # q/k/v packed, or one projection
     layer = layer_class(shapes)
@@ -194,8 +194,8 @@ class TinyPolicy(torch.nn.Module):
 
 def test_the_adapter_is_written_right_after_waking_inside_generate(monkeypatch):
     pytest.importorskip("vllm")
-    from minigrpo.generation import Sampling
-    from minigrpo.vllm_engine import VLLMGenerator
+    from minigrpo.generate import Sampling
+    from minigrpo.generate.vllm_engine import VLLMGenerator
 
     log = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: log.append("empty_cache"))
@@ -215,7 +215,7 @@ def test_engine_options_by_platform_and_version(monkeypatch):
     import enum
 
     vllm_config = pytest.importorskip("vllm.config")
-    from minigrpo.vllm_engine import engine_options
+    from minigrpo.generate.vllm_engine import engine_options
 
     cpu, gpu = engine_options(on_gpu=False, max_rows=32), engine_options(on_gpu=True, max_rows=32)
     assert cpu["enable_sleep_mode"] is False and "max_num_seqs" not in cpu  # vLLM refuses sleep mode on a cpu
@@ -234,7 +234,7 @@ def test_close_shuts_the_engine_down(monkeypatch):
     pytest.importorskip("vllm")
     from types import SimpleNamespace
 
-    from minigrpo.vllm_engine import VLLMGenerator
+    from minigrpo.generate.vllm_engine import VLLMGenerator
 
     shut = []
     llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: shut.append(1))))
@@ -253,8 +253,8 @@ def policy(tiny_model_path):
 
 def test_an_engine_that_cannot_start_gives_way_to_transformers_with_auto(monkeypatch, tiny_model_path, policy):
     from minigrpo import startup
-    from minigrpo.generation import HFGenerator
-    from minigrpo.vllm_engine import VLLMGenerator
+    from minigrpo.generate.hf import HFGenerator
+    from minigrpo.generate.vllm_engine import VLLMGenerator
 
     def fails(*args, **kwargs):
         raise RuntimeError("CUDA error: no kernel image is available for execution on the device\nmore")
@@ -309,7 +309,8 @@ def test_gpu_memory_reports_reserved_as_well(monkeypatch):
 def test_transformers_samples_exactly_from_the_policy(tiny_model_path, policy):
     """The model's generation_config asks for a repetition penalty and top-k; the generator must ignore both,
     so its own log-probs of what it sampled equal the trainer's. Without that, they differ (the control)."""
-    from minigrpo.generation import HFGenerator, Sampling
+    from minigrpo.generate import Sampling
+    from minigrpo.generate.hf import HFGenerator
     from minigrpo.model import pad_batch, token_logprobs
     from minigrpo.rollout import render_prompt
 
@@ -416,7 +417,7 @@ def test_notebook_install_cells_install_what_exists():
 
 EXPORT_CHILD = """
 import json, sys, torch
-from minigrpo.bench import extra_memory_gb
+from minigrpo.bench.steps import extra_memory_gb
 from minigrpo.config import TrainConfig
 from minigrpo.export import export_weights
 from minigrpo.model import load_policy, load_tokenizer
@@ -435,7 +436,7 @@ def test_export_holds_about_one_layer_more_than_the_model(tiny_model_path, tmp_p
     import subprocess
     import sys
 
-    from minigrpo.bench import LIVE_MEMORY_ENV
+    from minigrpo.bench.steps import LIVE_MEMORY_ENV
 
     out = tmp_path / "export"
     done = subprocess.run([sys.executable, "-c", EXPORT_CHILD, tiny_model_path, str(out)], capture_output=True,
@@ -477,7 +478,7 @@ def test_doctor_passes_on_this_cpu_for_real():
 
 
 def test_doctor_judges_a_gpu_machine_from_its_facts():
-    from minigrpo.doctor import FAIL, OK, WARN, check_cuda, check_versions, verdict
+    from minigrpo.cli.doctor import FAIL, OK, WARN, check_cuda, check_versions, verdict
 
     t4_old_driver = Gpu("Tesla T4", (7, 5), 14.75, driver="550.54.15", cuda_driver=(12, 4))
     stack = {"torch": "2.13.0", "transformers": "5.19.0", "peft": "0.21.2", "bitsandbytes": "0.50.2",
@@ -496,7 +497,7 @@ def test_doctor_judges_a_gpu_machine_from_its_facts():
 
 
 def test_doctor_exits_non_zero_when_the_path_cannot_work(monkeypatch):
-    from minigrpo import doctor
+    from minigrpo.cli import doctor
 
     monkeypatch.setattr(doctor, "run_doctor", lambda dtype: [doctor.Check("cuda", doctor.FAIL, "driver too old")])
     result = CliRunner().invoke(app, ["doctor"])

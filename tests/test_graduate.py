@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from minigrpo import TrainConfig
-from minigrpo.cli import app
+from minigrpo.cli.app import app
 from minigrpo.graduate import accelerate_yaml, trl_settings
 
 pytest.importorskip("trl")
@@ -62,7 +62,7 @@ def test_graduate_from_a_run_continues_its_adapter_under_trl(tmp_path):
     run = train(TrainConfig(steps=1, num_generations=2, prompts_per_step=2, max_new_tokens=8, sample_every=0,
                             eval_before_after=False, output_dir=str(tmp_path / "run")))
     out = tmp_path / "trl"
-    result = CliRunner().invoke(app, ["graduate", str(run), "--gpus", "4", "--out", str(out), "--from-adapter",
+    result = CliRunner().invoke(app, ["graduate", str(run), "--gpus", "4", "--out", str(out), "--init-adapter",
                                       str(run / "adapter")])
     assert result.exit_code == 0, result.output
     script = (out / "train_trl.py").read_text()

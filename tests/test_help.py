@@ -6,7 +6,7 @@ import pytest
 import typer.main
 from typer.testing import CliRunner
 
-from minigrpo.cli import app
+from minigrpo.cli.app import app
 
 COMMAND = typer.main.get_command(app)
 
@@ -72,3 +72,27 @@ def test_every_default_of_train_is_the_configs():
         elif param.default != field.default and param.required is False:
             drifted.append(f"{param.opts[0]}: {param.default!r}, the config's {field.default!r}")
     assert not drifted, drifted
+
+
+def test_one_thing_has_one_flag_in_every_command():
+    """Options that say the same thing (the same help's first sentence) are spelled the same in every command, and a
+    renamed flag's old spelling is told the new one, in one line, with a failing exit status."""
+    import subprocess
+    import sys
+
+    from minigrpo.cli.app import RENAMED
+
+    spellings: dict[str, set[str]] = {}
+    for path, command in commands():
+        for param in command.params:
+            if getattr(param, "param_type_name", "") == "option" and param.help:
+                meaning = param.help.split(". ")[0].split(" [default")[0].rstrip(".").lower()
+                spellings.setdefault(meaning, set()).add(param.opts[0])
+                assert param.opts[0] not in RENAMED, (path, param.opts)
+    assert not {m: s for m, s in spellings.items() if len(s) > 1}, {m: s for m, s in spellings.items() if len(s) > 1}
+    assert {spellings[m].pop() for m in ("run folder", "completions per prompt")} == {"--out", "--num-generations"}
+
+    done = subprocess.run([sys.executable, "-m", "minigrpo.cli", "train", "--output-dir=runs/x"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip() == ("error: --output-dir is now --out (one name for one thing "
+                                                            "in every command)"), done.stderr

@@ -8,9 +8,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from minigrpo import judge as J
-from minigrpo.judge import Judge
-from minigrpo.judge_client import ChatEndpoint
+from minigrpo.judge import rubric as J
+from minigrpo.judge.rubric import Judge
+from minigrpo.judge.client import ChatEndpoint
 from minigrpo.scoring import score
 
 
@@ -176,7 +176,7 @@ def reward_model_folder(tmp_path_factory, tiny_model_path):
 
 
 def test_a_reward_model_from_a_folder_scores_each_completion(reward_model_folder):
-    from minigrpo.judge import RewardModel
+    from minigrpo.judge.rubric import RewardModel
 
     rm = RewardModel(str(reward_model_folder), batch_size=2)
     scores = rm(["Say hi."] * 3, ["Hello there!", "Go away.", "Hello there!"])
@@ -189,10 +189,10 @@ def test_each_judge_kind_trains_end_to_end(tmp_path, grader, reward_model_folder
     the reward model; then `minigrpo eval` and `check-reward` with them."""
     from typer.testing import CliRunner
 
-    from minigrpo.cli import app
+    from minigrpo.cli.app import app
 
     (tmp_path / "judges.py").write_text(
-        "from minigrpo.judge import Judge, RewardModel\n"
+        "from minigrpo.judge.rubric import Judge, RewardModel\n"
         "polite = Judge('Polite and short: 10. Rude: 0.', name='polite', max_tokens=12)\n"
         f"remote = Judge('Many e letters.', name='remote', endpoint={grader!r}, model='grader', "
         "api_key_env='GRADER_KEY')\n"
@@ -203,7 +203,7 @@ def test_each_judge_kind_trains_end_to_end(tmp_path, grader, reward_model_folder
     out = tmp_path / "run"
     result = CliRunner().invoke(app, ["train", "--task", str(tmp_path / "data.jsonl"), *rewards, "--steps", "1",
                                       "-G", "2", "--prompts-per-step", "2", "--max-new-tokens", "12",
-                                      "--no-eval-before-after", "--output-dir", str(out)])
+                                      "--no-eval-before-after", "--out", str(out)])
     assert result.exit_code == 0, result.output
     (metrics,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert metrics["judge/polite/calls"] == 4 and metrics["judge/polite/tokens"] > 0
@@ -340,12 +340,12 @@ def test_an_endpoint_that_cannot_be_reached_stops_before_training(tmp_path):
     # and through the command line, before any model loads or folder is made
     from typer.testing import CliRunner
 
-    from minigrpo.cli import app
+    from minigrpo.cli.app import app
 
-    (tmp_path / "grade.py").write_text(f"from minigrpo.judge import Judge\n"
+    (tmp_path / "grade.py").write_text(f"from minigrpo.judge.rubric import Judge\n"
                                        f"far = Judge('Polite: 10.', name='far', endpoint='http://127.0.0.1:{port}/v1', model='m')\n")
     result = CliRunner().invoke(app, ["train", "--reward", f"{tmp_path / 'grade.py'}:far",
-                                      "--output-dir", str(tmp_path / "run")])
+                                      "--out", str(tmp_path / "run")])
     assert result.exit_code == 1 and "judge far" in result.output and "did not answer" in result.output, result.output
     assert "Traceback" not in result.output and not (tmp_path / "run").exists()
 

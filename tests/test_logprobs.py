@@ -103,7 +103,8 @@ def test_bf16_projections_keep_the_adapters_small_additions(tiny_model_path):
     so a LoRA layer's addition, far below bf16's resolution of the base output, arrives whole; in an all-bfloat16
     model the same addition is mostly rounded away (the control). The adapter still gets gradients, and the
     sampler's log-probs stay close to the trainer's."""
-    from minigrpo.generation import HFGenerator, Sampling
+    from minigrpo.generate import Sampling
+    from minigrpo.generate.hf import HFGenerator
     from minigrpo.model import Bf16Linear
     from minigrpo.train import GAP_WARNING
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from minigrpo.cli import app
+from minigrpo.cli.app import app
 from minigrpo.scoring import score
 from minigrpo.tasks import get_task
 
@@ -220,13 +220,13 @@ def _answers(url: str) -> bool:
 ])
 def test_servers_that_cannot_train_are_one_line(server, where, says, tmp_path):
     url = f"{server}{where}" if where.startswith("/") else f"http://127.0.0.1{where}"
-    result = CliRunner().invoke(app, ["train", "--task", f"openenv:{url}", "--output-dir", str(tmp_path / "run")])
+    result = CliRunner().invoke(app, ["train", "--task", f"openenv:{url}", "--out", str(tmp_path / "run")])
     assert result.exit_code == 1 and says in said(result) and "Traceback" not in result.output, result.output
 
 
 def test_without_the_library_the_error_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "openenv.core", None)  # as if not installed
-    result = CliRunner().invoke(app, ["train", "--task", "openenv:http://127.0.0.1:9", "--output-dir",
+    result = CliRunner().invoke(app, ["train", "--task", "openenv:http://127.0.0.1:9", "--out",
                                       str(tmp_path / "run")])
     assert result.exit_code == 1 and "pip install 'minigrpo[openenv]'" in said(result), result.output
 
@@ -234,7 +234,7 @@ def test_without_the_library_the_error_names_the_extra(monkeypatch, tmp_path):
 def test_trains_from_the_command_line(server, tmp_path):
     trained = CliRunner().invoke(app, ["train", "--task", f"openenv:{server}/say:size=8", "--steps", "1", "-G", "2",
                                        "--prompts-per-step", "2", "--max-new-tokens", "6", "--eval-prompts", "1",
-                                       "--output-dir", str(tmp_path / "run")])
+                                       "--out", str(tmp_path / "run")])
     assert trained.exit_code == 0, trained.output
     metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert "reward/openenv_SayWord/mean" in metrics and not [k for k in metrics if k.endswith("/errors")], metrics

@@ -7,7 +7,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from minigrpo.cli import app
+from minigrpo.cli.app import app
 from minigrpo.scoring import score
 from minigrpo.tasks import get_task
 
@@ -55,13 +55,13 @@ def test_worked_exchanges_and_the_system_prompt_are_options():
     ("rg:chain_sum:seed=abc", "rg:chain_sum: seed='abc' must be a whole number"),
 ])
 def test_bad_names_and_options_are_one_line(spec, says, tmp_path):
-    result = CliRunner().invoke(app, ["train", "--task", spec, "--output-dir", str(tmp_path / "run")])
+    result = CliRunner().invoke(app, ["train", "--task", spec, "--out", str(tmp_path / "run")])
     assert result.exit_code == 1 and says in said(result) and "Traceback" not in result.output, result.output
 
 
 def test_without_the_library_the_error_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # as if not installed
-    result = CliRunner().invoke(app, ["train", "--task", "rg:chain_sum", "--output-dir", str(tmp_path / "run")])
+    result = CliRunner().invoke(app, ["train", "--task", "rg:chain_sum", "--out", str(tmp_path / "run")])
     assert result.exit_code == 1 and "pip install 'minigrpo[reasoning-gym]'" in said(result), result.output
 
 
@@ -70,7 +70,7 @@ def test_trains_checks_and_evaluates_from_the_command_line(tmp_path):
     checked = runner.invoke(app, ["check-reward", "--task", SMALL, "--no-model"])
     assert checked.exit_code == 0 and "rg_basic_arithmetic" in checked.output and "raised" not in checked.output
     trained = runner.invoke(app, ["train", "--task", SMALL, "--steps", "1", "-G", "2", "--prompts-per-step", "2",
-                                  "--max-new-tokens", "16", "--eval-prompts", "4", "--output-dir", str(tmp_path / "run")])
+                                  "--max-new-tokens", "16", "--eval-prompts", "4", "--out", str(tmp_path / "run")])
     assert trained.exit_code == 0 and "held-out, 4 prompts never trained on" in said(trained), trained.output
     metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert "reward/rg_basic_arithmetic/mean" in metrics and "reward/answer_format/mean" in metrics

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from minigrpo.bench_learn import TABLE_END, TABLE_START, read_cards, summarize, table, write_tables
-from minigrpo.cli import app
+from minigrpo.bench.learn import TABLE_END, TABLE_START, read_cards, summarize, table, write_tables
+from minigrpo.cli.app import app
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from minigrpo import sandbox
-from minigrpo.confine import missing
-from minigrpo.sandbox import describe, layers, run_tests
+from minigrpo.sandbox import runner as sandbox
+from minigrpo.sandbox.confine import missing
+from minigrpo.sandbox.runner import describe, layers, run_tests
 
 TESTS = [([2, 3], 5), ([10, -4], 6), ([0, 0], 0)]
 GOOD = "def add(a, b):\n    return a + b\n"
@@ -288,7 +288,7 @@ def test_a_kernel_without_landlock_refuses_to_run_code(tmp_path):
     script.write_text(textwrap.dedent(f"""
         import ctypes, os, struct, sys
         sys.path.insert(0, {str(Path(sandbox.__file__).parent.parent)!r})
-        from minigrpo.sandbox import SandboxError, run_tests
+        from minigrpo.sandbox.runner import SandboxError, run_tests
         # nr >= 444 and not >= 447 -> ENOSYS (the three Landlock calls); everything else allowed
         prog = [(0x20, 0, 0, 0), (0x35, 0, 2, 444), (0x35, 1, 0, 447), (0x06, 0, 0, 0x00050000 | 38),
                 (0x06, 0, 0, 0x7FFF0000)]
@@ -339,7 +339,7 @@ def test_as_an_unprivileged_user(nobody_folder, listener, request):
     tmp_path = nobody_folder
     code = tmp_path / "code"
     code.mkdir()
-    for name in ("sandbox.py", "confine.py"):
+    for name in ("runner.py", "confine.py"):
         shutil.copy(Path(sandbox.__file__).with_name(name), code / name)
     out = tmp_path / "outside"
     out.mkdir()
@@ -352,7 +352,7 @@ def test_as_an_unprivileged_user(nobody_folder, listener, request):
              "pid": os.getpid(), "pgid": os.getpgid(0), "canary": canary.pid}
     jobs = {name: escape_program(name, facts) for name in ESCAPES if "test's process group" not in name}
     (code / "jobs.json").write_text(json.dumps(jobs))
-    driver = ("import json, sys\nsys.path.insert(0, sys.argv[1])\nimport sandbox\n"
+    driver = ("import json, sys\nsys.path.insert(0, sys.argv[1])\nimport runner as sandbox\n"
               "jobs = json.load(open(sys.argv[1] + '/jobs.json'))\n"
               "print(json.dumps({'layers': sandbox.describe(sandbox.layers()), 'results': {n: sandbox.run_tests("
               "p, 'add', [([0, 0], 'blocked')], second_layer=False).reason for n, p in jobs.items()}}))\n")
@@ -373,12 +373,12 @@ def test_as_an_unprivileged_user(nobody_folder, listener, request):
 def test_a_run_of_the_code_task_says_its_layers_and_refuses_without_them(monkeypatch, tmp_path):
     from typer.testing import CliRunner
 
-    from minigrpo.cli import app
+    from minigrpo.cli.app import app
 
     monkeypatch.delenv(sandbox.ALLOW_ENV, raising=False)
     lacking = {"namespaces": "", "landlock": 0, "seccomp": True, "folder": "", "missing": ["filesystem"]}
     monkeypatch.setattr(sandbox, "layers", lambda: lacking)
-    result = CliRunner().invoke(app, ["train", "--task", "code", "--output-dir", str(tmp_path / "run")])
+    result = CliRunner().invoke(app, ["train", "--task", "code", "--out", str(tmp_path / "run")])
     assert result.exit_code == 1 and "no filesystem layer" in result.output, result.output
     assert "--allow-unconfined-code" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "run").exists()  # refused before anything was written

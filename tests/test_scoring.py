@@ -6,7 +6,7 @@ import json
 import pytest
 
 from minigrpo import per_sample
-from minigrpo.scoring import RewardError, score
+from minigrpo.scoring import RewardError, Scores, score
 from minigrpo.tasks import get_task, load_reward, read_rows
 
 ROWS = [{"prompt": "p1", "answer": "a"}, {"prompt": "p2", "answer": "b"}]
@@ -155,3 +155,28 @@ def test_a_reward_can_mark_a_completion_it_could_not_score():
     assert "could not score 1 of 2" in str(caught[0].message) and "cannot read" in str(caught[0].message)
     with pytest.raises(RewardError, match="could not score a completion"):
         score([picky], [1.0], ["p", "p"], ["ok", "??"], [[], []], [{"prompt": "p"}] * 2, strict=True)
+
+
+def test_groups_are_picked_and_joined_field_by_field():
+    """Filtering groups and refilling them go over every field of a batch by how it follows its completions (per
+    prompt, per completion, columns, summed, pooled), so a field added later cannot be forgotten in one of them."""
+    import dataclasses
+
+    from minigrpo.rollout import Groups
+
+    def batch(tag: str, prompts: int, G: int = 2) -> Groups:
+        n = prompts * G
+        return Groups([{"prompt": f"{tag}{i}"} for i in range(prompts)], [[i] for i in range(prompts)],
+                      [[i] for i in range(n)], [f"{tag}{i}" for i in range(n)], [False] * n, None,
+                      Scores([float(i) for i in range(n)], {"r": [1.0] * n}, {}, {"r": 1}, {"seen": list(range(n))},
+                             {"judge/s": [0.5]}), 1.0, 2.0, None, {"turns": 3})
+
+    both = batch("a", 2) + batch("b", 1)
+    assert both.completions == ["a0", "a1", "a2", "a3", "b0", "b1"] and both.sampler_logps is None
+    assert [r["prompt"] for r in both.rows] == ["a0", "a1", "b0"] and both.generate_s == 2.0
+    assert both.scores.errors == {"r": 2} and both.scores.metrics == {"judge/s": [0.5, 0.5]}
+    assert both.scores.extra == {"seen": [0, 1, 2, 3, 0, 1]} and both.episode_stats == {"turns": 6}
+    kept = both.select([0, 2], 2)
+    assert kept.completions == ["a0", "a1", "b0", "b1"] and kept.scores.totals == [0.0, 1.0, 0.0, 1.0]
+    assert [r["prompt"] for r in kept.rows] == ["a0", "b0"] and kept.scores.extra == {"seen": [0, 1, 0, 1]}
+    assert all("along" in f.metadata for kind in (Groups, Scores) for f in dataclasses.fields(kind))

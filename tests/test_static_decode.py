@@ -1,15 +1,16 @@
-"""The fixed-shape decoder (minigrpo/static_decode.py) against the eager decode loop it replaces: the same
+"""The fixed-shape decoder (minigrpo/generate/static.py) against the eager decode loop it replaces: the same
 tokens and log-probs, the trainer's log-probs, the adapter's updates seen without rebuilding anything, one host
 read per CHECK_EVERY tokens, and a one-line fallback wherever it cannot run."""
 
 import pytest
 import torch
 
-from minigrpo.bench_decode import _counts, depth_only
+from minigrpo.bench.decode import _counts, depth_only
 from minigrpo.config import TrainConfig
-from minigrpo.generation import HFGenerator, Sampling, decode
+from minigrpo.generate import Sampling
+from minigrpo.generate.hf import HFGenerator, decode
 from minigrpo.model import lora_parameters, load_policy, pad_batch, token_logprobs
-from minigrpo.static_decode import CHECK_EVERY, StaticDecoder
+from minigrpo.generate.static import CHECK_EVERY, StaticDecoder
 
 
 class _Pad:  # what HFGenerator reads from a tokenizer

@@ -45,7 +45,7 @@ SMALL = ["--no-eval-before-after", "--max-new-tokens", "8", "--prompts-per-step"
 
 def start(tmp_path: Path, *flags: str) -> subprocess.Popen:
     (tmp_path / "my_rewards.py").write_text(REWARDS)
-    return subprocess.Popen([sys.executable, "-m", "minigrpo.cli", "train", "--output-dir", "run", *SMALL, *flags],
+    return subprocess.Popen([sys.executable, "-m", "minigrpo.cli", "train", "--out", "run", *SMALL, *flags],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # a process group of its own, as a terminal gives it
 

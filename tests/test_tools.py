@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from minigrpo import TrainConfig, train
-from minigrpo.cli import app
+from minigrpo.cli.app import app
 from minigrpo.model import load_trained, token_logprobs
 from minigrpo.rollout import render_prompt
 from minigrpo.model import pad_batch
@@ -31,7 +31,7 @@ def run(tmp_path_factory):
 
 def test_sample_and_chat(run):
     result = CliRunner().invoke(app, ["sample", "--adapter", str(run / "adapter"), "What is 2 + 2?", "Add 1 and 5.",
-                                      "--n", "2", "--max-new-tokens", "8"])
+                                      "--samples", "2", "--max-new-tokens", "8"])
     assert result.exit_code == 0, result.output
     assert "What is 2 + 2?" in result.output and "Add 1 and 5." in result.output
     result = CliRunner().invoke(app, ["chat", "--adapter", str(run / "adapter"), "--max-new-tokens", "8"],

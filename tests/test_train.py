@@ -5,7 +5,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
-from minigrpo.cli import app
+from minigrpo.cli.app import app
 
 STEP_KEYS = {
     "step", "reward/mean", "reward/std", "reward/addition_reward/mean", "frac_groups_reward_differs", "kl",
@@ -17,7 +17,7 @@ STEP_KEYS = {
 def test_train_two_steps_end_to_end(tmp_path, tiny_model_path):
     out = tmp_path / "run"
     result = CliRunner().invoke(app, [
-        "train", "--model", "smollm2-135m", "--task", "addition", "--steps", "2", "--output-dir", str(out),
+        "train", "--model", "smollm2-135m", "--task", "addition", "--steps", "2", "--out", str(out),
         "--num-generations", "4", "--prompts-per-step", "2", "--max-new-tokens", "24", "--micro-batch-size", "3",
         "--beta", "0.04", "--seed", "1", "--sample-every", "1", "--4bit",
     ])
@@ -67,7 +67,7 @@ def test_your_own_reward_and_data_from_the_cli(tmp_path):
     out = tmp_path / "run"
     result = CliRunner().invoke(app, [
         "train", "--task", str(data), "--reward", f"{tmp_path / 'reward.py'}:mentions_color", "--steps", "1",
-        "--num-generations", "2", "--prompts-per-step", "2", "--max-new-tokens", "8", "--output-dir", str(out),
+        "--num-generations", "2", "--prompts-per-step", "2", "--max-new-tokens", "8", "--out", str(out),
     ])
     assert result.exit_code == 0, result.output
     metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
@@ -77,7 +77,7 @@ def test_your_own_reward_and_data_from_the_cli(tmp_path):
 def test_a_broken_reward_stops_before_the_model_loads(tmp_path):
     (tmp_path / "reward.py").write_text("def bad(prompts, completions, **kw):\n    return [1.0]\n")
     result = CliRunner().invoke(app, ["train", "--reward", f"{tmp_path / 'reward.py'}:bad", "--steps", "1",
-                                      "--output-dir", str(tmp_path / "run")])
+                                      "--out", str(tmp_path / "run")])
     assert result.exit_code != 0
     assert "reward function bad returned 1 values for 4 completions" in " ".join(result.output.split())
     assert not (tmp_path / "run").exists(), "it stopped before making a run folder or loading a model"

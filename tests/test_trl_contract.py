@@ -13,7 +13,7 @@ import re
 import pytest
 from typer.testing import CliRunner
 
-from minigrpo.cli import app
+from minigrpo.cli.app import app
 from minigrpo.scoring import score, trainer_state
 from minigrpo.tools import ToolCall, run_call
 
@@ -74,7 +74,7 @@ def test_trainer_state_log_extra_and_log_metric_reach_the_run(tmp_path):
     (tmp_path / "paced.py").write_text(PROGRESS_REWARDS)
     code, output = cli("train", "--reward", f"{tmp_path / 'paced.py'}:paced", "--steps", "2", "-G", "2",
                        "--prompts-per-step", "2", "--max-new-tokens", "8", "--no-eval-before-after",
-                       "--output-dir", tmp_path / "run")
+                       "--out", tmp_path / "run")
     assert code == 0, output
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["paced/global_step"] for m in metrics] == [0, 1]  # optimizer steps done, as TRL's state counts
@@ -167,7 +167,7 @@ class Sums:
 def test_an_environment_from_the_command_line_writes_its_own_prompts(tmp_path):
     (tmp_path / "sums.py").write_text(ENVIRONMENT)
     code, output = cli("train", "--environment", f"{tmp_path / 'sums.py'}:Sums", "--steps", "1", "-G", "2",
-                       "--prompts-per-step", "2", "--max-new-tokens", "8", "--output-dir", tmp_path / "run")
+                       "--prompts-per-step", "2", "--max-new-tokens", "8", "--out", tmp_path / "run")
     assert code == 0, output
     assert "no held-out rows, so the before/after evaluation is skipped" in output
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 from typer.testing import CliRunner
 
-from minigrpo.cli import app
+from minigrpo.cli.app import app
 from minigrpo.episodes import start_environments
 from minigrpo.scoring import score
 from minigrpo.tasks import get_task
@@ -203,7 +203,7 @@ def test_a_won_game_is_scored_even_before_its_run_has_fully_returned(tmp_path, m
     """run() queues its end a moment before its future completes; a reward read in that moment waited for a turn
     that never came ("took over 60 s between two turns", 2 of 11 won Hangman games) instead of scoring 1.0. The
     moment held open here: the future still reads not done."""
-    import minigrpo.verifiers_turns as turns
+    import minigrpo.sources.verifiers_turns as turns
 
     monkeypatch.setattr(turns, "TURN_TIMEOUT_S", 30.0)  # the old code waited this long, then failed
     env = get_task(f"vf:{write(tmp_path, 'guess', GUESS.replace('SLEEP', 'pass'))}").environment()
@@ -237,7 +237,7 @@ def test_what_cannot_be_played_is_refused_with_the_reason(tmp_path):
     for i, (source, says) in enumerate([(judged, "its rubric has judges"), ("x = 1", "must define one verifiers "
                                         "Taskset"), (two_seats, "seats 2 agents (player, user)")]):
         result = runner.invoke(app, ["train", "--task", f"vf:{write(tmp_path, f'bad{i}', source)}",
-                                     "--output-dir", str(tmp_path / "run")])
+                                     "--out", str(tmp_path / "run")])
         assert result.exit_code == 1 and says in said(result) and "Traceback" not in result.output, result.output
 
 
@@ -270,7 +270,7 @@ def test_an_installed_package_whose_own_import_fails_says_so(tmp_path, monkeypat
     ("vf:missing.py", "vf:missing.py: no such file"),
 ])
 def test_unknown_environments_are_one_line(spec, says, tmp_path):
-    result = CliRunner().invoke(app, ["train", "--task", spec, "--output-dir", str(tmp_path / "run")])
+    result = CliRunner().invoke(app, ["train", "--task", spec, "--out", str(tmp_path / "run")])
     assert result.exit_code == 1 and says in said(result) and "Traceback" not in result.output, result.output
 
 
@@ -282,7 +282,7 @@ def test_an_unknown_option_names_the_ones_there_are(tmp_path):
 
 def test_without_the_library_the_error_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "verifiers.v1", None)  # as if not installed
-    result = CliRunner().invoke(app, ["train", "--task", "vf:anything", "--output-dir", str(tmp_path / "run")])
+    result = CliRunner().invoke(app, ["train", "--task", "vf:anything", "--out", str(tmp_path / "run")])
     assert result.exit_code == 1 and "pip install 'minigrpo[verifiers]'" in said(result), result.output
 
 
@@ -292,7 +292,7 @@ def test_trains_from_the_command_line_with_each_reward_logged_by_its_name(tmp_pa
     checked = runner.invoke(app, ["check-reward", "--task", spec, "--no-model"])
     assert checked.exit_code == 0 and "correct" in checked.output and "raised" not in checked.output, checked.output
     trained = runner.invoke(app, ["train", "--task", spec, "--steps", "1", "-G", "2", "--prompts-per-step", "2",
-                                  "--max-new-tokens", "8", "--eval-prompts", "2", "--output-dir",
+                                  "--max-new-tokens", "8", "--eval-prompts", "2", "--out",
                                   str(tmp_path / "run")])
     assert trained.exit_code == 0, trained.output
     metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
@@ -304,7 +304,7 @@ def test_a_multi_turn_game_trains_as_episodes(tmp_path):
     spec = f"vf:{write(tmp_path, 'guess', GUESS.replace('SLEEP', 'pass'))}"
     trained = CliRunner().invoke(app, ["train", "--task", spec, "--steps", "1", "-G", "2", "--prompts-per-step", "2",
                                        "--max-new-tokens", "6", "--max-turns", "3", "--eval-prompts", "2",
-                                       "--output-dir", str(tmp_path / "run")])
+                                       "--out", str(tmp_path / "run")])
     assert trained.exit_code == 0, trained.output
     metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert "reward/GuessGame/mean" in metrics and metrics["episode/turns"] >= 1, metrics

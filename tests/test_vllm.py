@@ -9,11 +9,11 @@ import torch
 pytest.importorskip("vllm")
 
 from minigrpo.config import TrainConfig  # noqa: E402
-from minigrpo.generation import Sampling  # noqa: E402
+from minigrpo.generate.hf import Sampling  # noqa: E402
 from minigrpo.model import load_policy, load_tokenizer, token_logprobs  # noqa: E402
 from minigrpo.rollout import render_prompt  # noqa: E402
 from minigrpo.model import pad_batch  # noqa: E402
-from minigrpo.vllm_engine import VLLMGenerator  # noqa: E402
+from minigrpo.generate.vllm_engine import VLLMGenerator  # noqa: E402
 
 TOL = 2e-3  # mean |engine - trainer| log-prob per token; fp32 on both sides, same dequantized base
 
@@ -64,7 +64,7 @@ def test_sync_is_real_and_the_engine_matches_the_trainer(setup):
 
 def test_the_engine_answers_as_the_base_model_for_the_in_memory_judge(setup):
     """base=True: no adapter (the judge and the reference are the base), however far the adapter has moved."""
-    from minigrpo.generation import HFGenerator
+    from minigrpo.generate.hf import HFGenerator
 
     policy, tokenizer, engine = setup
     prompts = [tokenizer(render_prompt(tokenizer, p), add_special_tokens=False).input_ids
@@ -117,7 +117,7 @@ def test_the_engine_continues_an_episode_as_the_trainer_reads_it(setup):
     module's engine shares.) An episode's second turn, sampled by the engine after a tool result: its log-probs are the trainer's
     over the whole episode (the engine saw exactly the tokens the trainer will)."""
     from minigrpo.episodes import Limits, run_episodes
-    from minigrpo.generation import Rollout
+    from minigrpo.generate import Rollout
 
     policy, tokenizer, engine = setup
 

@@ -49,7 +49,7 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     >>> parse_spec("openenv:http://localhost:8000/")
     ('http://localhost:8000', {})
     """
-    from minigrpo.task_specs import parse_spec as options_of
+    from minigrpo.sources.spec import parse_spec as options_of
 
     rest = spec.removeprefix("openenv:")
     url, sep, tail = rest.rpartition(":")

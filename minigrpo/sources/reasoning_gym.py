@@ -22,7 +22,7 @@ from __future__ import annotations
 import difflib
 import functools
 
-from minigrpo.task_specs import parse_spec
+from minigrpo.sources.spec import parse_spec
 
 EXTRA = "pip install 'minigrpo[reasoning-gym]'"
 DEFAULT_SIZE = 1000  # training rows; the held-out split draws up to a fifth of that, at most 500

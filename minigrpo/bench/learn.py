@@ -26,7 +26,7 @@ import statistics
 import time
 from pathlib import Path
 
-from minigrpo.bench import run_child
+from minigrpo.bench.steps import run_child
 from minigrpo.config import TrainConfig
 from minigrpo.plot import read_jsonl
 
@@ -162,10 +162,10 @@ def train_trl(settings: dict) -> dict:
     step; then every checkpoint, and the base model, evaluated by minigrpo's evaluator in a second process."""
     folder = Path(settings["output_dir"])
     start = time.perf_counter()
-    run_child("import json, sys; from minigrpo.bench_learn import _trl_child; _trl_child(json.loads(sys.argv[1]))",
+    run_child("import json, sys; from minigrpo.bench.learn import _trl_child; _trl_child(json.loads(sys.argv[1]))",
               [json.dumps(settings)])
     wall = time.perf_counter() - start
-    run_child("import sys; from minigrpo.bench_learn import _evaluate_checkpoints; _evaluate_checkpoints(sys.argv[1])",
+    run_child("import sys; from minigrpo.bench.learn import _evaluate_checkpoints; _evaluate_checkpoints(sys.argv[1])",
               [str(folder)])
     steps = read_jsonl(folder / "steps.jsonl")
     return run_record(read_jsonl(folder / "eval.jsonl"), clock(steps), wall, folder)
@@ -174,7 +174,7 @@ def train_trl(settings: dict) -> dict:
 def _trl_child(settings: dict) -> None:
     from transformers import TrainerCallback
 
-    from minigrpo.bench_trl import graduated_trainer
+    from minigrpo.bench.trl import graduated_trainer
 
     cfg = TrainConfig(**settings)
     folder = Path(cfg.output_dir)
@@ -201,7 +201,7 @@ def _trl_child(settings: dict) -> None:
 def _evaluate_checkpoints(folder: str) -> None:
     """The base model (step 0) and each of TRL's checkpoints, through the evaluator minigrpo's runs use."""
     from minigrpo.evaluate import Evaluator
-    from minigrpo.generation import HFGenerator
+    from minigrpo.generate.hf import HFGenerator
     from minigrpo.model import load_trained, seed_everything
     from minigrpo.tasks import get_task
 

@@ -1,10 +1,10 @@
-"""`minigrpo train` on the command line: its flags, which build the run's TrainConfig (registered in cli.py)."""
+"""`minigrpo train` on the command line: its flags, which build the run's TrainConfig (registered in app.py)."""
 
 from __future__ import annotations
 
 import typer
 
-from minigrpo.cli_talk import UNCONFINED_HELP
+from minigrpo.cli.talk import UNCONFINED_HELP
 from minigrpo.config import TrainConfig
 from minigrpo.errors import clear_errors
 
@@ -40,7 +40,7 @@ def train(
                                         "given here changed; the run itself is left as it is [default: none]."),
     save_every: int = typer.Option(10, help="Checkpoint every N steps (and at the end)."),
     keep: int = typer.Option(2, help="Checkpoints to keep."),
-    output_dir: str = typer.Option(None, help="Run folder [default: runs/<time>-<model>-<task>]."),
+    output_dir: str = typer.Option(None, "--out", help="Run folder [default: runs/<time>-<model>-<task>]."),
     num_generations: int = typer.Option(None, "--num-generations", "-G", help=f"Completions per prompt. {PRESET_HELP}"),
     prompts_per_step: int = typer.Option(None, help=f"Prompts per step. {PRESET_HELP}"),
     max_new_tokens: int = typer.Option(None, help=f"Completion length limit. {PRESET_HELP}"),

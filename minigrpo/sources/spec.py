@@ -1,9 +1,9 @@
 """What the task sources share: the options written after a library task's name on the command line, and the
 fixed held-out slice of a list of rows.
 
-    --task rg:chain_sum:min_terms=2,size=500     reasoning-gym       (minigrpo.reasoning_gym_task)
-    --task vf:envs/arith.py:size=200             verifiers           (minigrpo.verifiers_task)
-    --task openenv:http://127.0.0.1:8000:size=8  an OpenEnv server   (minigrpo.openenv_task)
+    --task rg:chain_sum:min_terms=2,size=500     reasoning-gym       (minigrpo.sources.reasoning_gym)
+    --task vf:envs/arith.py:size=200             verifiers           (minigrpo.sources.verifiers)
+    --task openenv:http://127.0.0.1:8000:size=8  an OpenEnv server   (minigrpo.sources.openenv)
 """
 
 from __future__ import annotations

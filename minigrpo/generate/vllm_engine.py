@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from minigrpo.export import export_weights
-from minigrpo.generation import Rollout, Sampling
+from minigrpo.generate import Rollout, Sampling
 from minigrpo.plan import MAX_BATCHED_TOKENS, VLLM_LORA_RANKS
 
 LORA_ID = 1  # the one adapter the engine serves: the policy

@@ -1,5 +1,5 @@
 """`minigrpo plan`, `minigrpo doctor` and `minigrpo bench`: what fits, what works and how fast, on this machine
-(or a card you name). Merged into the `minigrpo` command by minigrpo/cli.py."""
+(or a card you name). Merged into the `minigrpo` command by minigrpo/cli/app.py."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def doctor(
                                           help="Only print the vLLM build for this machine (for install scripts)."),
 ) -> None:
     """Check this machine's training path for real: GPU, driver, versions, dtype, a 4-bit LoRA step, the engine."""
-    from minigrpo.doctor import print_report, run_doctor
+    from minigrpo.cli.doctor import print_report, run_doctor
     from minigrpo.hardware import this_gpu
     from minigrpo.hardware import vllm_requirement as requirement
 
@@ -117,7 +117,7 @@ def bench_compare(
     rounds: int = typer.Option(1, help="Runs per variant, taken in turns."),
 ) -> None:
     """Train the same run under several variants, side by side: seconds per step, sync, memory, ratios."""
-    from minigrpo.bench import compare, parse_settings
+    from minigrpo.bench.steps import compare, parse_settings
 
     variants = {}
     for item in variant:
@@ -135,7 +135,7 @@ def bench_trl(
                                                "(repeat) [default: none]."),
 ) -> None:
     """Side by side with TRL's GRPOTrainer on one setting (needs `pip install trl`): s/step, peak memory."""
-    from minigrpo.bench_trl import compare_with_trl
+    from minigrpo.bench.trl import compare_with_trl
 
     for folder in against:
         if not (Path(folder) / "minigrpo" / "train.py").is_file():
@@ -161,8 +161,8 @@ def bench_learn(
     """Result card: train a task under several seeds (and through TRL), held-out pass@1 before and after."""
     import importlib.util
 
-    from minigrpo.bench import parse_settings
-    from minigrpo.bench_learn import learn, table
+    from minigrpo.bench.steps import parse_settings
+    from minigrpo.bench.learn import learn, table
 
     if with_trl and importlib.util.find_spec("trl") is None:
         raise ValueError("--with-trl needs TRL: pip install 'minigrpo[trl]'")
@@ -183,7 +183,7 @@ def bench_tables(
                                         "[default: print the table]."),
 ) -> None:
     """The results table from result cards, printed or written into a page (docs/results.md)."""
-    from minigrpo.bench_learn import read_cards, table, write_tables
+    from minigrpo.bench.learn import read_cards, table, write_tables
 
     print(write_tables(Path(cards), Path(page)) if page else table(read_cards(Path(cards))))
 
@@ -192,7 +192,7 @@ def bench_tables(
 @clear_errors
 def bench_dtype() -> None:
     """float32 against bfloat16 matmuls on this cpu, and with bf16 instructions capped off (why auto picks one)."""
-    from minigrpo.bench import dtype_speed
+    from minigrpo.bench.steps import dtype_speed
 
     dtype_speed()
 
@@ -201,7 +201,7 @@ def bench_dtype() -> None:
 @clear_errors
 def bench_memory() -> None:
     """Peak memory of the log-prob + loss pass, chunked vs full logits, as length and G grow (tiny model)."""
-    from minigrpo.bench import memory_scaling
+    from minigrpo.bench.steps import memory_scaling
 
     memory_scaling()
 
@@ -212,7 +212,7 @@ def bench_sandbox(runs: int = typer.Option(40, help="Programs per side, taken in
     """Milliseconds per program in the code sandbox, against a bare interpreter running it."""
     from rich.table import Table
 
-    from minigrpo.sandbox import describe, layers, overhead
+    from minigrpo.sandbox.runner import describe, layers, overhead
 
     figures = overhead(runs)
     table = Table(title=f"one program, 3 tests, median of {runs} ({describe(layers())})")
@@ -244,12 +244,12 @@ def bench_decode_command(
 
     from rich.table import Table
 
-    from minigrpo.bench_decode import bench_decode, bench_real
-    from minigrpo.plan import SHAPES
+    from minigrpo.bench.decode import bench_decode, bench_real
+    from minigrpo.config import PRESETS
 
     for name in preset:
-        if name not in SHAPES:
-            raise ValueError(f"--preset {name}: not a preset ({', '.join(SHAPES)})")
+        if name not in PRESETS:
+            raise ValueError(f"--preset {name}: not a preset ({', '.join(PRESETS)})")
     console = Console(width=max(Console().width, 120))
 
     def emit(result: dict) -> None:  # each figure as it is measured: a json line, or a progress line
@@ -285,7 +285,8 @@ def bench_decode_command(
 @clear_errors
 def bench_model_command(
     model: str = typer.Option("smollm2-135m", "--model", help="A preset; random weights of its shape if absent."),
-    group: list[int] = typer.Option([4, 8], "--group", "-G", help="Values of G to measure (repeat)."),
+    num_generations: list[int] = typer.Option([4, 8], "--num-generations", "-G",
+                                              help="Values of G to measure (repeat)."),
     max_new_tokens: list[int] = typer.Option([], help="Completion lengths to measure (repeat); "
                                                     "[default: 128 and 512 on a GPU, 32 and 64 on CPU]."),
     steps: int = typer.Option(3, help="Steps per setting; the first is left out."),
@@ -294,6 +295,6 @@ def bench_model_command(
                                                      "completion runs to max new tokens, the worst case."),
 ) -> None:
     """On this machine: generation tokens/s, s/step, sync, peak memory, and which settings fit."""
-    from minigrpo.bench import bench_model
+    from minigrpo.bench.steps import bench_model
 
-    bench_model(model, tuple(group), tuple(max_new_tokens) or None, steps, generator, random_weights)
+    bench_model(model, tuple(num_generations), tuple(max_new_tokens) or None, steps, generator, random_weights)

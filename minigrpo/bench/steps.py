@@ -124,7 +124,7 @@ def dtype_speed(console: Console | None = None, rows: tuple[int, ...] = (16, 102
     for name, cap in ISA_CAPS.items():
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "t.json"
-            run_child("import sys; from minigrpo.bench import _dtype_child; _dtype_child(sys.argv[1], sys.argv[2])",
+            run_child("import sys; from minigrpo.bench.steps import _dtype_child; _dtype_child(sys.argv[1], sys.argv[2])",
                       [",".join(map(str, rows)), str(out)], {"ONEDNN_MAX_CPU_ISA": cap} if cap else None)
             results.append({"cpu": name, **json.loads(out.read_text())})
     table = Table(title="one matmul (rows x 576) by (576 x 1536), median ms")
@@ -225,7 +225,7 @@ def memory_scaling(lengths=(64, 256, 1024, 2048), rows_at=4, groups=(4, 8, 16, 3
     def measure(path, rows, length):
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "m.json"
-            code = ("import sys; from minigrpo.bench import _memory_child; "
+            code = ("import sys; from minigrpo.bench.steps import _memory_child; "
                     "_memory_child(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])")
             run_child(code, [path, str(rows), str(length), str(out)], LIVE_MEMORY_ENV)
             return json.loads(out.read_text())["extra_gb"]
@@ -251,14 +251,15 @@ def weights_or_random(preset: str, folder: Path, random_weights: bool = False) -
 
     from minigrpo.console import quiet_libraries
     from minigrpo.model import byte_tokenizer, default_dtype, load_tokenizer
-    from minigrpo.plan import SHAPES, preset_shape
+    from minigrpo.config import PRESETS
+    from minigrpo.plan import preset_shape
     from minigrpo.weights import OFFLINE_HUB_ID, hub_problem, offline_copy, resolve_weights
 
     hub_id = TrainConfig(model=preset).hub_id
     if not random_weights and (hub_id == OFFLINE_HUB_ID or hub_problem(hub_id) is None):
         return resolve_weights(hub_id), False
-    if preset not in SHAPES:
-        raise ValueError(f"no weights for {preset} here and no known shape; known: {', '.join(SHAPES)}")
+    if preset not in PRESETS:
+        raise ValueError(f"no weights for {preset} here and no known shape; known: {', '.join(PRESETS)}")
     # made on the GPU where there is one: drawing qwen-1.5b's on a 2-core cpu took 20 s
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(preset_shape(preset), dtype=default_dtype())

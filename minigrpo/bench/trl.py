@@ -14,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from minigrpo.bench import ChildFailed, run_child, run_variant
+from minigrpo.bench.steps import ChildFailed, run_child, run_variant
 from minigrpo.config import TrainConfig
 
 # the setting of the side-by-side with TRL: the same model, adapter, group size, lengths, reward and optimiser
@@ -27,7 +27,7 @@ def run_trl(steps: int) -> list[dict]:
     """TRL's GRPOTrainer on TRL_SETTING in a fresh process; per-step seconds and peak resident memory."""
     with tempfile.TemporaryDirectory(prefix="minigrpo-bench-trl-") as tmp:
         out = Path(tmp) / "steps.json"
-        run_child("import sys; from minigrpo.bench_trl import _trl_child; _trl_child(int(sys.argv[1]), sys.argv[2])",
+        run_child("import sys; from minigrpo.bench.trl import _trl_child; _trl_child(int(sys.argv[1]), sys.argv[2])",
                   [str(steps), str(out)])
         return json.loads(out.read_text())
 

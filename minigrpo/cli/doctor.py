@@ -150,10 +150,10 @@ def check_training(folder: Path, dtype: torch.dtype, load_in_4bit: bool, bf16_ba
 
 def check_engine(policy, tokenizer, dtype: torch.dtype, on_gpu: bool) -> list[Check]:
     """A tiny vLLM engine beside the policy: start, in-place adapter write, trainer/engine gap, sleep/wake."""
-    from minigrpo.generation import Sampling
+    from minigrpo.generate import Sampling
     from minigrpo.model import lora_parameters, pad_batch, token_logprobs
     from minigrpo.rollout import render_prompt
-    from minigrpo.vllm_engine import VLLMGenerator
+    from minigrpo.generate.vllm_engine import VLLMGenerator
 
     start = time.perf_counter()
     try:
@@ -204,7 +204,7 @@ def check_sleep(engine, weights_gb: float, prompt: list[int]) -> Check:
     """Wake the engine (each `generate` leaves it asleep), read the card's free memory, put it to sleep, read
     again: what sleeping gives back, which must be at least most of the engine's weights (level 1 moves them
     to host memory and drops the cache); then that it wakes and generates."""
-    from minigrpo.generation import Sampling
+    from minigrpo.generate import Sampling
 
     engine._wake()
     torch.cuda.synchronize()
@@ -223,7 +223,7 @@ def check_sleep(engine, weights_gb: float, prompt: list[int]) -> Check:
 def check_sandbox() -> Check:
     """The code sandbox's layers, as its child finds them; only the code task needs them, so a missing
     layer is a warning here (the code task itself refuses to run without it)."""
-    from minigrpo.sandbox import describe, layers
+    from minigrpo.sandbox.runner import describe, layers
 
     found = layers()
     return Check("code sandbox", WARN if found["missing"] else OK, describe(found).removeprefix("code sandbox: "))

@@ -12,9 +12,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from minigrpo import supervise
-from minigrpo.cli_machine import machine_app
-from minigrpo.cli_talk import UNCONFINED_HELP, talk_app
-from minigrpo.cli_train import config_from_flags, sft, train
+from minigrpo.cli.machine import machine_app
+from minigrpo.cli.talk import UNCONFINED_HELP, talk_app
+from minigrpo.cli.train import config_from_flags, sft, train
 from minigrpo.config import PRESETS, TrainConfig
 from minigrpo.errors import clear_errors
 
@@ -36,8 +36,8 @@ def graduate(
     full_finetune: bool = typer.Option(False, help="Train every weight, not LoRA adapters."),
     vllm_mode: str = typer.Option("colocate", help="colocate | server: vLLM in each training process, or a "
                                                    "separate server."),
-    from_adapter: str = typer.Option(None, help="Continue from this adapter (runs/<run>/adapter) [default: a "
-                                                "new one]."),
+    init_adapter: str = typer.Option(None, help="Start from this adapter (runs/<run>/adapter) [default: the run's "
+                                                "--init-adapter, else a new one]."),
 ) -> None:
     """Continue on TRL across GPUs: a TRL script, an accelerate config and a README for the same task,
     rewards and settings, e.g. `minigrpo graduate runs/<run> --gpus 4 --out trl` or
@@ -59,7 +59,7 @@ def graduate(
     else:
         train_command = typer.main.get_command(app).get_command(ctx, "train")
         cfg = config_from_flags(train_command.make_context("train", flags).params)
-    folder = write_folder(cfg, Path(out), gpus, backend, full_finetune, vllm_mode, from_adapter)
+    folder = write_folder(cfg, Path(out), gpus, backend, full_finetune, vllm_mode, init_adapter)
     Console().print(f"wrote {folder}: train_trl.py, accelerate.yaml, README.md (the mapping). Launch there:\n"
                     f"  accelerate launch --config_file accelerate.yaml train_trl.py", highlight=False)
 
@@ -87,11 +87,11 @@ def eval_command(
     """Evaluate the base model or a trained adapter on the task's held-out split: pass@1 and mean reward."""
     from pathlib import Path
 
-    from minigrpo import judge
+    from minigrpo.judge import rubric as judge
     from minigrpo.console import describe_eval
     from minigrpo.episodes import settle_budget
     from minigrpo.evaluate import Evaluator
-    from minigrpo.generation import HFGenerator
+    from minigrpo.generate.hf import HFGenerator
     from minigrpo.model import adapter_folder, load_trained, seed_everything
     from minigrpo.run import results_folder
     from minigrpo.tasks import check_sandbox, get_task
@@ -150,9 +150,9 @@ def tasks() -> None:
     console.print(table)
     console.print("rewards to add to any task: --reward rewards.format:format_reward (think/answer structure); "
                   "rewards.length:overlong_penalty(...) from Python. Your own: --reward file.py:function.")
-    from minigrpo import openenv_task, reasoning_gym_task, verifiers_task
+    from minigrpo.sources import openenv, reasoning_gym, verifiers
 
-    for source in (reasoning_gym_task, verifiers_task, openenv_task):
+    for source in (reasoning_gym, verifiers, openenv):
         console.print(f"from libraries: {source.listing()}", highlight=False)
 
 
@@ -169,7 +169,8 @@ def check_reward(
     model: str = typer.Option("smollm2-135m", help="The model to sample completions from."),
     max_prompt_tokens: int = typer.Option(512, help="Prompt length limit, as train has it."),
     prompts: int = typer.Option(4, help="Prompts to sample completions for."),
-    samples: int = typer.Option(None, help="Completions per prompt [default: the model preset's G]."),
+    samples: int = typer.Option(None, help="Samples per prompt, a group's spread as training sees it [default: the "
+                                           "model preset's G]."),
     max_new_tokens: int = typer.Option(None, help="Completion length limit [default: from the model preset]."),
     max_turns: int = typer.Option(None, help=f"Model turns per episode [default: {TrainConfig.max_turns}]."),
     no_model: bool = typer.Option(False, "--no-model", help="Only the worked examples and the data; load no model."),
@@ -247,7 +248,17 @@ app.add_typer(machine_app)  # plan, doctor, bench
 app.add_typer(talk_app)  # sample, chat
 
 
+# flags renamed so that one thing has one name in every command; the old spelling is told the new one
+RENAMED = {"--output-dir": "--out", "--from-adapter": "--init-adapter", "--n": "--samples",
+           "--group": "--num-generations"}
+
+
 def main() -> None:
+    renamed = [arg.partition("=")[0] for arg in sys.argv[1:] if arg.partition("=")[0] in RENAMED]
+    if renamed:
+        Console(stderr=True).print(f"[bold red]error[/]: {renamed[0]} is now {RENAMED[renamed[0]]} (one name for one "
+                                   f"thing in every command)", highlight=False)
+        sys.exit(2)
     # bitsandbytes logs a note about an optional kernel package when anything imports it (transformers' trainer
     # module does, for a reward's TrainerState): not for a user's screen
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)

@@ -41,7 +41,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from minigrpo.judge_client import ChatEndpoint, JudgeError, JudgeUnavailable
+from minigrpo.judge.client import ChatEndpoint, JudgeError, JudgeUnavailable
 from minigrpo.scoring import text_of
 
 SYSTEM = "You are a strict, fair grader. You grade replies against a rubric and answer in the format asked."
@@ -84,7 +84,7 @@ def parse_score(reply: str, scale: int) -> float:
     >>> parse_score("Score: 8 or maybe Score: 9", 10)
     Traceback (most recent call last):
     ...
-    minigrpo.judge.MalformedReply: no line 'Score: N' in the reply: 'Score: 8 or maybe Score: 9'
+    minigrpo.judge.rubric.MalformedReply: no line 'Score: N' in the reply: 'Score: 8 or maybe Score: 9'
     """
     found = SCORE.findall(reply)
     if len(found) != 1:
@@ -302,7 +302,7 @@ def cache_path() -> Path:
 
 def base_generate(generator, tokenizer) -> Callable:
     """What `attach` takes, for a run's generator: greedy replies of the base model (adapters off)."""
-    from minigrpo.generation import Sampling
+    from minigrpo.generate import Sampling
 
     def generate(conversations: list[list[dict]], max_tokens: int) -> list[tuple[str, int]]:
         ids = [tokenizer.apply_chat_template(c, tokenize=True, add_generation_prompt=True) for c in conversations]

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from minigrpo.config import TrainConfig
-from minigrpo.sampling import Sampling
+from minigrpo.generate.sampling import Sampling
 
 PATHS = ("eager", "static")
 SHORT, LONG = 3, 35  # new tokens of the two decodes whose difference is 32 tokens' work
@@ -44,9 +44,9 @@ def depth_only(preset: str, folder: Path, head_dim: int = 8, vocab: int = 512, l
     folder to load."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from minigrpo.plan import SHAPES
+    from minigrpo.config import PRESETS
 
-    kind, shape = SHAPES[preset]
+    kind, shape = PRESETS[preset].model_type, PRESETS[preset].shape
     hidden = shape["num_attention_heads"] * head_dim
     config = AutoConfig.for_model(kind, max_position_embeddings=4096, **dict(
         shape, hidden_size=hidden, head_dim=head_dim, intermediate_size=2 * hidden, vocab_size=vocab,
@@ -165,7 +165,7 @@ def decode_agreement(policy, rows: int = 8, new_tokens: int = 24,
     log-probs of both tokens within `tolerance`); sampled tokens' log-probs within `tolerance` of the trainer's
     per token on average; and both again after an optimizer step and the adapter's refresh. Returns (check, passed,
     figures) for each."""
-    from minigrpo.generation import HFGenerator, decode
+    from minigrpo.generate.hf import HFGenerator, decode
     from minigrpo.model import lora_parameters, pad_batch, token_logprobs
 
     prompts = [list(range(10 + 7 * i, 40 + 5 * i)) for i in range(max(1, rows // 2))]  # left-padded widths
@@ -218,7 +218,7 @@ def bench_decode(presets=("smollm2-135m", "qwen-1.5b"), rows=(1, 16, 64), load_i
     """Every preset x rows x path (with `with_transformers`, transformers' static-cache `generate` too); each
     result is handed to `emit` as it is measured, and returned."""
     from minigrpo.console import quiet_libraries
-    from minigrpo.generation import HFGenerator
+    from minigrpo.generate.hf import HFGenerator
 
     quiet_libraries()
     if load_in_4bit is None:
@@ -248,7 +248,7 @@ def bench_decode(presets=("smollm2-135m", "qwen-1.5b"), rows=(1, 16, 64), load_i
 def bench_real(rows: int = 16, new_tokens: int = 48, threads: int | None = None, emit=print) -> list[dict]:
     """The offline smollm2-135m at the quick start's shape (2 prompts x 8 completions, 48 new tokens) with the
     quick start's settings on this machine: new tokens per second of each path, over the same prompts."""
-    from minigrpo.generation import HFGenerator
+    from minigrpo.generate.hf import HFGenerator
     from minigrpo.model import default_dtype, load_policy, load_tokenizer
     from minigrpo.rollout import render_prompt
     from minigrpo.tasks import get_task

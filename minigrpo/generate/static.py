@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from minigrpo.model import cache_keyword
-from minigrpo.sampling import Sampling, sample
+from minigrpo.generate.sampling import Sampling, sample
 
 CHECK_EVERY = 8  # new tokens between host reads of "has every row ended?" (the only sync while decoding)
 LENGTH_STEP = 64  # cache lengths are rounded up to this, so rollouts of similar prompts share one graph

@@ -17,7 +17,7 @@ rollout would have recorded (system, user, the sampled assistant turn) and score
 `score`. Each reward is logged by its name with its weight; `@vf.metric`s go to metrics.jsonl. Tasksets
 whose tools are `vf.Toolset`s run them in minigrpo's episode loop (each completion an episode, as with
 `--tool`), the toolset's `@vf.tool` methods called in this process; a multi-turn `Env` of the taskset's own
-plays its `run()` in that loop too (`minigrpo.verifiers_turns`). Tasksets that need containers or judges are
+plays its `run()` in that loop too (`minigrpo.sources.verifiers_turns`). Tasksets that need containers or judges are
 refused with the reason.
 
 Options: `size` (training tasks read from an endless taskset; default 1000), and any field of the
@@ -35,7 +35,7 @@ import pkgutil
 import sys
 from pathlib import Path
 
-from minigrpo.task_specs import parse_spec, split_rows
+from minigrpo.sources.spec import parse_spec, split_rows
 
 EXTRA = "pip install 'minigrpo[verifiers]'"
 DEFAULT_SIZE = 1000
@@ -74,7 +74,7 @@ def fields_from_spec(spec: str) -> dict:
 
     environment = None
     if env is not vf.SingleAgentEnv:
-        from minigrpo.verifiers_turns import Unsupported, environment_class
+        from minigrpo.sources.verifiers_turns import Unsupported, environment_class
 
         try:
             environment = environment_class(env, taskset, tasks, vf)

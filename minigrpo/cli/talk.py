@@ -24,7 +24,7 @@ def sample(
     prompts: int = typer.Option(2, help="Held-out prompts, with --task."),
     adapter: str = typer.Option(None, help="A trained adapter folder (runs/<run>/adapter) [default: none, the base model]."),
     model: str = typer.Option(None, help="Base model [default: the adapter's run config, else smollm2-135m]."),
-    n: int = typer.Option(1, help="Completions per prompt."),
+    samples: int = typer.Option(1, help="Samples per prompt to show."),
     max_new_tokens: int = typer.Option(256, help="Completion length limit (per turn, in an episode)."),
     max_turns: int = typer.Option(None, help="Model turns per episode [default: the run's, else 4]."),
     temperature: float = typer.Option(0.7, help="Sampling temperature; 0 is greedy."),
@@ -47,12 +47,12 @@ def sample(
         rows = [{"prompt": p} for p in prompt]
         t = Task("prompts", "the given prompts", lambda split, seed: rows, rewards=[],
                  tools=[load_tool(spec) for spec in tool])
-    completions, columns = sample_completions(t, rows, adapter, model, n, max_new_tokens, temperature, seed, max_turns)
+    completions, columns = sample_completions(t, rows, adapter, model, samples, max_new_tokens, temperature, seed, max_turns)
     scores = score(t.rewards, t.weights or [1.0] * len(t.rewards), [c["prompt"] for c in columns], completions,
                    [[] for _ in completions], columns) if t.rewards else None
     console = Console()
     for i, completion in enumerate(completions):
-        console.print(f"[bold]{escape(shown(rows[i // n]['prompt']))}[/]\n{escape(shown(completion))}", highlight=False)
+        console.print(f"[bold]{escape(shown(rows[i // samples]['prompt']))}[/]\n{escape(shown(completion))}", highlight=False)
         if scores:
             parts = ", ".join(f"{name} {values[i]:.2f}" for name, values in scores.values.items()
                               if values[i] is not None)
@@ -69,7 +69,8 @@ def chat(
     temperature: float = typer.Option(0.7, help="Sampling temperature; 0 is greedy."),
 ) -> None:
     """Talk to a trained adapter; an empty line or `exit` ends the chat."""
-    from minigrpo.generation import HFGenerator, Sampling
+    from minigrpo.generate import Sampling
+    from minigrpo.generate.hf import HFGenerator
     from minigrpo.model import load_trained
     from minigrpo.rollout import render_prompt
 

@@ -1,6 +1,6 @@
 """docs/cli.md, written from the command line itself: every command, its options, their defaults and help.
 
-    python -m minigrpo.cli_reference > docs/cli.md      # tests/test_docs.py fails while the file is stale
+    python -m minigrpo.cli.reference > docs/cli.md      # tests/test_docs.py fails while the file is stale
 """
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import typer
 
 HEADER = """# Command-line reference
 
-Generated from the `minigrpo` command itself (`python -m minigrpo.cli_reference > docs/cli.md`); a test fails
+Generated from the `minigrpo` command itself (`python -m minigrpo.cli.reference > docs/cli.md`); a test fails
 when it is stale. `minigrpo COMMAND --help` prints the same.
 """
 
 
 def render() -> str:
-    from minigrpo.cli import app
+    from minigrpo.cli.app import app
 
     root = typer.main.get_command(app)
     parts = [HEADER]

@@ -5,7 +5,7 @@ runs in a child process that receives only the arguments; it sends back what the
 the parent, which alone holds the expected results, decides. So a program that exits early, patches the
 assertions, or prints "all tests passed" gains nothing: no results, or wrong ones, score as a failure.
 
-The child (`minigrpo/confine.py`) is an isolated interpreter (`python -I -S`: no site-packages) with a
+The child (`minigrpo/sandbox/confine.py`) is an isolated interpreter (`python -I -S`: no site-packages) with a
 scrubbed environment, confined by the kernel: rlimits, new user/pid/network namespaces, a root of its own
 (the standard library and shared libraries read-only and an empty folder: nothing else exists for it, not even
 for `stat`), Landlock for the filesystem and seccomp for system calls (what each does is in that file). The

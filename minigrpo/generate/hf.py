@@ -1,46 +1,22 @@
-"""Sampling completions: one small interface, and the `transformers` implementation of it.
-
-A generator takes prompt token ids (the trainer tokenizes once, so every engine sees the same tokens)
-and returns G completions per prompt, grouped: rows [0, G) belong to prompt 0, and so on. After each
-optimizer step the trainer calls `sync(model)` so the next rollout samples from the updated policy.
-"""
+"""Generation with `transformers`: the training model itself samples, by the fixed-shape loop or token by token."""
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
+from minigrpo.generate import Rollout, Sampling
+from minigrpo.generate.sampling import sample
+from minigrpo.generate.static import StaticDecoder, Unsupported
 from minigrpo.model import cache_keyword
-from minigrpo.sampling import Sampling, sample
-from minigrpo.static_decode import StaticDecoder, Unsupported
-
-__all__ = ["Generator", "HFGenerator", "Rollout", "Sampling", "cache_keyword", "decode", "sample"]
-
-
-@dataclass
-class Rollout:
-    completion_ids: list[list[int]]  # [B] token ids, ending with eos unless truncated
-    truncated: list[bool]  # [B] hit max_new_tokens before eos
-    sampler_logps: list[list[float]] | None = None  # [B] the engine's own log-probs, where it has them
-
-
-class Generator(Protocol):
-    # base=True: the base model alone, adapters off (the in-memory judge); generators may not offer it
-    def generate(self, prompt_ids: list[list[int]], sampling: Sampling, base: bool = False) -> Rollout: ...
-
-    def sync(self, model) -> None: ...
-
-    def close(self) -> None: ...
 
 
 class HFGenerator:
     """Sampling with the training model itself: no second copy of the model, always in sync.
 
     Two decode loops over the same weights. Where the model's layout allows (Llama, Qwen2, Mistral), the
-    fixed-shape one (`static_decode.py`): a handful of host calls per new token, one CUDA graph replay on a
+    fixed-shape one (`static.py`): a handful of host calls per new token, one CUDA graph replay on a
     card, the adapter refreshed in place by `sync`. Otherwise, and with `decoder="eager"`, our loop over the
     trainer's own modules (`decode`). Both prefill each distinct prompt once and copy its cache to its G rows,
     and sample with exactly the settings the trainer's log-probs assume (temperature, top-p, nothing else): the
