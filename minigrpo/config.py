@@ -72,6 +72,13 @@ PRESETS: dict[str, ModelPreset] = {
 CUSTOM_MODEL = ModelPreset("", 16, 1e-5, 8, 2, 256)
 
 
+def preset_shape(preset: str):
+    """A transformers config of a preset's architecture, without downloading anything."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(PRESETS[preset].model_type, max_position_embeddings=32768, **PRESETS[preset].shape)
+
+
 @dataclass
 class TrainConfig:
     # what to train on

@@ -211,9 +211,3 @@ def offered_tools(task) -> list[Callable]:
     """Every tool a task's episodes offer: its own, then its environment's (from a fresh instance)."""
     return list(task.tools) + (environment_tools(task.environment()) if task.environment else [])
 
-
-def settle_budget(cfg, task) -> None:
-    """Where the task's completions are episodes, an unset --max-episode-tokens becomes max-turns x
-    max-new-tokens (recorded in the run's config.json)."""
-    if (task.tools or task.environment) and cfg.max_episode_tokens is None:
-        cfg.max_episode_tokens = cfg.max_turns * cfg.max_new_tokens

@@ -16,42 +16,12 @@ import statistics
 import time
 from pathlib import Path
 
+from minigrpo import settle
 from minigrpo.config import TrainConfig
 from minigrpo.generate import Generator, Sampling
 from minigrpo.generate.hf import HFGenerator
 from minigrpo.scoring import score
-from minigrpo.tasks import Task, read_rows
-
-
-HOW_TO_HOLD_OUT = "give --eval-data FILE (rows kept out of training), or a data file of 10 rows or more (a tenth is held out)"
-
-
-def held_out_rows(cfg: TrainConfig, task: Task) -> list[dict]:
-    """The rows an evaluation uses: --eval-data's, or the task's own held-out split; at most eval_prompts."""
-    rows = read_rows(Path(cfg.eval_data)) if cfg.eval_data else task.make_data("test", cfg.seed)
-    return rows[:cfg.eval_prompts]
-
-
-def settle_evaluation(cfg: TrainConfig, task: Task, train_rows: list[dict]) -> str | None:
-    """Before the model loads: a task with no held-out rows (a small data file) trains anyway, its default
-    before/after evaluation skipped with a note (returned); an evaluation asked for (--eval-every) stops.
-    --eval-data must be a file, and a note says when its prompts are among the training ones (the task's own
-    split is the task's to keep apart)."""
-    if cfg.eval_data and not Path(cfg.eval_data).is_file():
-        raise ValueError(f"--eval-data {cfg.eval_data}: no such file; give a data file of held-out rows")
-    if not (cfg.eval_every or cfg.eval_before_after):
-        return None
-    rows = held_out_rows(cfg, task)
-    if not rows and cfg.eval_every:
-        raise ValueError(f"--eval-every {cfg.eval_every}: task {task.name} has no held-out rows; {HOW_TO_HOLD_OUT}")
-    if not rows:
-        cfg.eval_before_after = False
-        return f"task {task.name} has no held-out rows, so the before/after evaluation is skipped; for it, {HOW_TO_HOLD_OUT}"
-    if not cfg.eval_data:
-        return None
-    trained = {json.dumps(r["prompt"], sort_keys=True) for r in train_rows}
-    seen = sum(json.dumps(r["prompt"], sort_keys=True) in trained for r in rows)
-    return f"{seen} of the {len(rows)} held-out prompts are also training prompts" if seen else None
+from minigrpo.tasks import Task
 
 
 class Evaluator:
@@ -59,9 +29,9 @@ class Evaluator:
                  out_dir: Path | None):
         self.cfg, self.task, self.weights = cfg, task, weights
         self.tokenizer, self.generator = tokenizer, generator
-        self.rows = held_out_rows(cfg, task)
+        self.rows = settle.held_out_rows(cfg, task)
         if not self.rows:
-            raise ValueError(f"task {task.name} has no held-out rows to evaluate on: {HOW_TO_HOLD_OUT}")
+            raise ValueError(f"task {task.name} has no held-out rows to evaluate on: {settle.HOW_TO_HOLD_OUT}")
         self.out = Path(out_dir) / "eval.jsonl" if out_dir else None
 
     def __call__(self, step: int | None = None, with_samples: bool = True) -> dict:
@@ -163,14 +133,13 @@ def sample_completions(task: Task, rows: list[dict], adapter=None, model: str | 
     Returns them with their columns: what the task's rewards get beside each (the row, its environment);
     `with_ids`, and their token ids."""
     from minigrpo.judge import rubric as judge
-    from minigrpo.episodes import settle_budget
     from minigrpo.model import load_trained, seed_everything
     from minigrpo.rollout import complete
 
     seed_everything(seed)
     policy, tokenizer, cfg = load_trained(adapter, model, max_new_tokens=max_new_tokens, max_turns=max_turns,
                                           max_prompt_tokens=max_prompt_tokens)
-    settle_budget(cfg, task)
+    cfg = settle.episode_budget(cfg, task)
     generator = HFGenerator(policy, tokenizer)
     judge.attach(judge.base_generate(generator, tokenizer))  # for judge rewards scored on what it samples
     out = complete(cfg, tokenizer, generator, task, rows, Sampling(n, max_new_tokens, temperature))

@@ -40,12 +40,12 @@ def export_weights(model, tokenizer, folder: Path, dtype: torch.dtype, merge_ada
             torch.cuda.empty_cache()
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1) + "\n")
-    config = copy.deepcopy(inner.config)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.dtype = dtype
-    config.use_cache = True
-    config.save_pretrained(folder)
+    model_config = copy.deepcopy(inner.config)
+    if hasattr(model_config, "quantization_config"):
+        del model_config.quantization_config
+    model_config.dtype = dtype
+    model_config.use_cache = True
+    model_config.save_pretrained(folder)
     inner.generation_config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 

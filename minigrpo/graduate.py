@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from minigrpo.config import TrainConfig
-from minigrpo.episodes import settle_budget
+from minigrpo import settle
 from minigrpo.model import LORA_TARGETS
 from minigrpo.tasks import get_task
 
@@ -148,7 +148,7 @@ def graduate(cfg: TrainConfig, out: Path, gpus: int = 1, backend: str = "zero2",
                               environment=cfg.environment and _absolute(cfg.environment))
     # a task or reward that cannot load stops here
     task = get_task(cfg.task, cfg.rewards, cfg.seed, cfg.tools, environment=cfg.environment)
-    settle_budget(cfg, task)  # an episode's budget, not one turn's, is TRL's max_completion_length
+    cfg = settle.episode_budget(cfg, task)  # an episode's budget, not one turn's, is TRL's max_completion_length
     if task.tools or task.environment:
         check_tool_template(cfg)
     settings = trl_settings(cfg, gpus, full_finetune, vllm_mode)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from minigrpo import settle
 from minigrpo.config import PRESETS, TrainConfig
 from minigrpo.console import quiet_libraries
 from minigrpo.generate.sampling import kept_logmass
@@ -298,11 +299,7 @@ def load_trained(adapter: str | Path | None, model: str | None = None, **overrid
     saved = run_dir / "config.json" if run_dir else None
     cfg = TrainConfig.load(saved) if saved and saved.exists() else TrainConfig(
         model=model or (adapter and _adapter_base(adapter)) or "smollm2-135m", lora_rank=1)
-    if model:
-        cfg.model = model
-    for key, value in overrides.items():
-        if value is not None:
-            setattr(cfg, key, value)
+    cfg = settle.overridden(cfg, model=model, **overrides)
     weights = resolve_weights(cfg.hub_id)
     tokenizer = load_tokenizer(weights)
     base = load_base(weights, cfg.load_in_4bit, default_dtype(cfg.dtype), cfg.max_prompt_tokens + cfg.completion_tokens,

@@ -21,9 +21,7 @@ import dataclasses
 import statistics
 from dataclasses import dataclass, field
 
-from minigrpo.config import PRESETS
 from minigrpo.hardware import Gpu, compute_dtype, dtype_name, host_memory_gb
-from minigrpo.weights import resolve_weights
 
 GiB = 2**30
 BUDGET = 0.92  # share of a card's memory a plan may fill; the rest is fragmentation and allocator slack
@@ -35,28 +33,6 @@ SLEEP_ABOVE = 0.85  # the engine sleeps during training when awake it would leav
 QUANT_BYTES = 0.5 + 4 / 64 / 4 + 0.02  # nf4: half a byte a weight, double-quantized block scales
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the slot sizes vLLM allocates
 MAX_BATCHED_TOKENS = 4096  # the engine's per-forward token budget (prefill chunks); sizes its workspace
-
-
-
-def preset_shape(preset: str):
-    """A transformers config of a preset's architecture, without downloading anything."""
-    from transformers import AutoConfig
-
-    return AutoConfig.for_model(PRESETS[preset].model_type, max_position_embeddings=32768, **PRESETS[preset].shape)
-
-
-def shape_of(cfg):
-    """The model's architecture: a preset's own, else its config from the hub or a folder."""
-    from transformers import AutoConfig
-
-    if cfg.model in PRESETS:
-        return preset_shape(cfg.model)
-    weights = resolve_weights(cfg.hub_id)  # a hub id out of reach: why, in one line, without retries
-    try:
-        return AutoConfig.from_pretrained(weights)
-    except Exception as error:
-        raise ValueError(f"cannot read the config of {cfg.model!r} ({type(error).__name__}); give a preset "
-                         f"({', '.join(PRESETS)}), a local folder or a reachable hub id") from None
 
 
 @dataclass(frozen=True)
@@ -263,6 +239,7 @@ def needs_checkpointing(shape, gpu: Gpu | None, s: Settings, nbytes: int, traine
     """Recompute activations in backward? On a cpu, not where the estimate without it is under an eighth of RAM
     (a forward pass saved; docs/speed.md); on a card, yes: its estimates are not yet checked on one.
 
+    >>> from minigrpo.config import preset_shape
     >>> s = Settings(rows=16, prompts=2, prompt_tokens=64, new_tokens=48, checkpointing=None)
     >>> [needs_checkpointing(preset_shape(m), None, s, 2, gb, 16) for m, gb in (("smollm2-135m", .3), ("qwen-1.5b", 3))]
     [False, True]
@@ -359,14 +336,3 @@ def smaller_settings(s: Settings):
                         yield dataclasses.replace(s, micro_batch_size=m, generator=generator, new_tokens=new,
                                                   prompts=prompts, rows=s.rows // s.prompts * prompts,
                                                   gpu_memory_utilization=None, eval_prompts=evaluated)
-
-
-def plans_for(cfg, gpu: str | None, gpu_memory: float | None) -> dict[str, Plan]:
-    """`minigrpo plan`'s plans: the card named (or of that memory), else this machine's GPU, else all CARDS."""
-    from minigrpo.hardware import CARDS, card, this_gpu, vllm_available
-
-    here = None if gpu or gpu_memory else this_gpu()
-    cards = ({gpu or f"{gpu_memory:g} GB": card(gpu, gpu_memory)} if gpu or gpu_memory else
-             {"this GPU": here} if here else dict(CARDS))
-    installed = vllm_available() if here else True  # for another machine's card, assume it will have vLLM
-    return {label: make_plan(shape_of(cfg), c, Settings.of(cfg), installed) for label, c in cards.items()}

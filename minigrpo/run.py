@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from pathlib import Path
 
 from minigrpo.config import TrainConfig
-from minigrpo.tasks import DATA_SUFFIXES
 
 
 LOCK_FILE = ".lock"  # held by the process writing the folder; its text names that process
@@ -54,13 +52,9 @@ class RunFolder:
 
     @classmethod
     def claim(cls, cfg: TrainConfig) -> "RunFolder":
-        """The new run's folder, checked but not yet written: it must not exist, or be empty, and be
-        writable. (A folder with anything in it is someone's: nothing is written there.)"""
-        if cfg.output_dir is None:
-            name = Path(cfg.model.rstrip("/")).name
-            task = Path(cfg.task).stem if cfg.task.endswith((".py", *DATA_SUFFIXES)) else \
-                re.sub(r"[^A-Za-z0-9_.-]+", "-", cfg.task).strip("-")  # rg:..., openenv:http://...
-            cfg.output_dir = str(Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}-{task}")
+        """The new run's folder (settle.run_folder names one where --out is not given), checked but not yet
+        written: it must not exist, or be empty, and be writable. (A folder with anything in it is someone's:
+        nothing is written there.)"""
         path = Path(cfg.output_dir)
         if (path / "config.json").exists():
             raise ValueError(f"--out {path} already holds a run: continue it with --resume, or pick a new "

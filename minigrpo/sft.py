@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from minigrpo import settle
 from minigrpo.config import TrainConfig
 
 
@@ -30,9 +31,12 @@ class Example:
     completion: str
 
 
+TokenRows = list[tuple[list[int], list[int]]]  # (prompt ids, completion ids) per example
+
+
 def read_examples(path: Path) -> list[Example]:
     """The data file's examples, or an error that names the line and what it lacks."""
-    from minigrpo.tasks import prompt_problem, read_rows_and_places
+    from minigrpo.data import prompt_problem, read_rows_and_places
 
     rows, places = read_rows_and_places(path, prompts=False)
     out = []
@@ -58,7 +62,7 @@ def read_examples(path: Path) -> list[Example]:
     return out
 
 
-def token_rows(tokenizer, examples: list[Example]) -> list[tuple[list[int], list[int]]]:
+def token_rows(tokenizer, examples: list[Example]) -> TokenRows:
     """(prompt ids, completion ids) per example; the completion ends as the model ends a turn."""
     from minigrpo.rollout import render_prompt
 
@@ -67,8 +71,8 @@ def token_rows(tokenizer, examples: list[Example]) -> list[tuple[list[int], list
              tokenizer(e.completion, add_special_tokens=False).input_ids + end) for e in examples]
 
 
-def sized_for(cfg: TrainConfig, examples: list[Example], data: Path) -> list[tuple[list[int], list[int]]]:
-    """The examples as token rows, and `cfg` sized for the longest (a micro-batch pads its prompts and its
+def sized_for(cfg: TrainConfig, examples: list[Example], data: Path) -> tuple[TokenRows, TrainConfig]:
+    """The examples as token rows, and a copy of `cfg` sized for the longest (a micro-batch pads its prompts and its
     completions to their longest): the plan's memory, the attention kind and checkpointing follow the data, not
     GRPO's lengths. An example longer than the model's context is refused with its length."""
     from transformers import AutoConfig
@@ -83,9 +87,7 @@ def sized_for(cfg: TrainConfig, examples: list[Example], data: Path) -> list[tup
         if context and len(prompt) + len(completion) > context:
             raise ValueError(f"{data}, example {i}: {len(prompt) + len(completion)} tokens, more than {cfg.model}'s "
                              f"context of {context}: shorten it or leave it out")
-    cfg.max_prompt_tokens = max(len(p) for p, _ in rows)
-    cfg.max_new_tokens = max(len(c) for _, c in rows)
-    return rows
+    return rows, settle.for_sft(cfg, max(len(p) for p, _ in rows), max(len(c) for _, c in rows))
 
 
 def sft(cfg: TrainConfig, data: Path, out: Path, epochs: int = 3, say=print) -> Path:
@@ -97,10 +99,9 @@ def sft(cfg: TrainConfig, data: Path, out: Path, epochs: int = 3, say=print) -> 
     examples = read_examples(Path(data))
     usable_or_fail(Path(out), "--out", may_hold_results=False)
     seed_everything(cfg.seed)
-    cfg.generator = "hf"  # nothing is generated: no engine is started
-    rows = sized_for(cfg, examples, Path(data))
+    rows, cfg = sized_for(cfg, examples, Path(data))
     loaded = load_for_training(cfg, say, longest_prompt=cfg.max_prompt_tokens)
-    model, tokenizer = loaded.model, loaded.tokenizer
+    model, tokenizer, cfg = loaded.model, loaded.tokenizer, loaded.cfg
     optimizer = torch.optim.AdamW(lora_parameters(model), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     order, losses, started = list(range(len(rows))), [], time.perf_counter()
     model.train()

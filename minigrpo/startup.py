@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minigrpo import settle
 from minigrpo.config import TrainConfig
 from minigrpo.generate import Generator, Sampling
 from minigrpo.generate.hf import HFGenerator
@@ -38,6 +39,7 @@ class Loaded:
     generator: Generator
     dtype: torch.dtype
     plan: Plan
+    cfg: TrainConfig  # as the plan settled it
 
 
 def plan_run(cfg: TrainConfig, model_config, gpu: Gpu | None, say, dtype: str | None = None,
@@ -92,8 +94,7 @@ def load_for_training(cfg: TrainConfig, say=print, task: Task | None = None,
     if task is not None:
         longest = check_lengths(cfg, task, tokenizer, getattr(model_config, "max_position_embeddings", None)) or None
     plan = plan_run(cfg, model_config, gpu, say, prompt_tokens=longest)
-    if cfg.gradient_checkpointing is None:  # the plan decides, and config.json records what it decided
-        cfg.gradient_checkpointing = plan.checkpointing
+    cfg = settle.checkpointing(cfg, plan.checkpointing)
     dtype = compute_dtype(gpu, cfg.dtype)[0]
     model = _load(cfg, weights, dtype, say)
     # float16's numbers are judged on the trainer alone, before any engine starts: a process then starts one
@@ -112,7 +113,7 @@ def load_for_training(cfg: TrainConfig, say=print, task: Task | None = None,
         dtype = torch.float32
         plan = plan_run(cfg, model_config, gpu, say, dtype="float32", prompt_tokens=longest)
         model = _load(cfg, weights, dtype, say)
-    return Loaded(model, tokenizer, make_generator(cfg, model, tokenizer, plan, dtype, say), dtype, plan)
+    return Loaded(model, tokenizer, make_generator(cfg, model, tokenizer, plan, dtype, say), dtype, plan, cfg)
 
 
 def _load(cfg: TrainConfig, weights: str, dtype: torch.dtype, say):

@@ -34,7 +34,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from minigrpo.scoring import OutOfTime, awaited, real_interrupts, time_limit
+from minigrpo.guard import OutOfTime, awaited, real_interrupts, time_limit
 
 CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.S)
 ERRORS = ("malformed", "unknown", "arguments", "raised", "timeout")  # the kinds of failed call, as counted

@@ -12,23 +12,22 @@ variants (Dr. GRPO, DAPO, BNPO) are settings of two knobs in minigrpo/loss.py, n
 from __future__ import annotations
 
 import random
-import signal
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from minigrpo import checkpoint, fork
+from minigrpo import checkpoint, fork, settle
 from minigrpo.judge import rubric as judge
 from minigrpo.adapters import check_adapter
 from minigrpo import loss as L
 from minigrpo.check import precheck_rewards
-from minigrpo.config import PRESETS, TrainConfig
+from minigrpo.config import TrainConfig
 from minigrpo.console import Display, quiet_libraries
-from minigrpo.episodes import settle_budget
-from minigrpo.evaluate import Evaluator, settle_evaluation
+from minigrpo.evaluate import Evaluator
 from minigrpo.hardware import memory_in_use_gb, peak_memory_gb, reserved_memory_gb
+from minigrpo.health import StopRequest, check_health, is_out_of_memory, out_of_memory_advice
 from minigrpo.model import seed_everything
 from minigrpo.plot import read_jsonl
 from minigrpo.rollout import PromptPool, collect
@@ -40,8 +39,6 @@ from minigrpo.tasks import Task, check_sandbox, get_task
 from minigrpo.update import MicroBatches, Update, micro_batches, policy_update
 from minigrpo.weights import resolve_weights
 
-GAP_WARNING = 0.05  # mean |sampler - trainer| log-prob per token above which the engine is out of sync
-FLAT_STEPS = 5  # steps in a row without a group whose rewards differ, before a run is told it learns nothing
 
 
 def train(cfg: TrainConfig, resume: bool = False) -> Path:
@@ -51,7 +48,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
     seed_everything(cfg.seed)
     progress(stage="checking the task and its rewards")
     task = get_task(cfg.task, cfg.rewards, extra_tools=cfg.tools, environment=cfg.environment)
-    settle_budget(cfg, task)
+    cfg = settle.episode_budget(cfg, task)
     check_sandbox(task, cfg.allow_unconfined_code, print)
     weights = cfg.reward_weights or task.weights
     if len(weights) != len(task.rewards):
@@ -62,8 +59,11 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
     # model loads or a run folder is made
     notes = precheck_rewards(task, weights, train_rows, cfg.reward_timeout)
     check_adapter(cfg)
-    notes += filter(None, [settle_evaluation(cfg, task, train_rows)])
+    cfg, note = settle.evaluation(cfg, task, train_rows)
+    notes += filter(None, [note])
     resolve_weights(cfg.hub_id)
+    if not resume:
+        cfg = settle.run_folder(cfg)
     run = RunFolder(Path(cfg.output_dir), cfg.report_to) if resume else RunFolder.claim(cfg)
     if resume:
         run.lock()  # before the model loads: a second process on this folder stops here, in one line
@@ -82,6 +82,7 @@ def _load_and_train(cfg, resume, task, weights, train_rows, notes, run) -> Path:
 
     progress(run=str(run.path), stage="loading the model")
     loaded = load_for_training(cfg, display.print, task)
+    cfg = loaded.cfg  # settled by the memory plan
     if not resume:
         run.start(cfg)  # written only now that the run can start
         if cfg.forked_from:
@@ -162,91 +163,6 @@ def _train(cfg: TrainConfig, resume: bool, task: Task, weights: list[float], run
     display.print(f"adapter saved to {adapter}")
     display.before_after(read_jsonl(run.path / "eval.jsonl"), cfg.eval_data)
     return run.path
-
-
-def check_health(cfg: TrainConfig, metrics: dict, bad_in_a_row: int, display: Display, save, where: Path) -> int:
-    """Warn about a skipped NaN update (and stop after max_bad_steps in a row, saved), about steps with nothing
-    to learn from (no group's rewards differ), and about a generator whose log-probs drift from the trainer's;
-    returns the NaN steps in a row so far."""
-    bad_in_a_row = bad_in_a_row + 1 if metrics.get("skipped_nonfinite") else 0
-    if bad_in_a_row:
-        display.print(f"[yellow]warning[/]: step {metrics['step']}: the loss or gradient was NaN or inf; "
-                      f"the update was skipped ({bad_in_a_row} in a row)")
-    if bad_in_a_row >= cfg.max_bad_steps:
-        save()
-        raise RuntimeError(f"{bad_in_a_row} steps in a row had a NaN or inf loss or gradient: lower "
-                           f"--learning-rate (now {cfg.learning_rate:g}) or check the rewards for "
-                           f"extreme values; the last good state is saved in {where}")
-    if metrics.get("maxrl/groups_below_zero") and "maxrl" not in display.warned:
-        display.warned.add("maxrl")  # once a run: it is a property of the rewards, not of one step
-        display.print(f"[yellow]warning[/]: step {metrics['step']}: {metrics['maxrl/groups_below_zero']} group(s) had "
-                      f"rewards below 0; --advantage maxrl reads rewards as successes in [0, 1] and gives a group "
-                      f"whose mean is 0 or less advantage 0: use --advantage grpo or rloo with such rewards")
-    display.flat_steps = 0 if metrics.get("frac_groups_reward_differs") else display.flat_steps + 1
-    if display.flat_steps == FLAT_STEPS and "flat" not in display.warned:
-        display.warned.add("flat")
-        display.print(f"[yellow]warning[/]: no group has had reward spread for {FLAT_STEPS} steps: every completion of "
-                      f"a prompt scored the same, and GRPO learns only from differences within a group. See what "
-                      f"the model writes and scores with `minigrpo check-reward --task {cfg.task} --model {cfg.model}`; "
-                      f"a small model may need worked examples in its prompt (an rg: task takes shots=2), a longer "
-                      f"--max-new-tokens (now {cfg.max_new_tokens}), or a reward for the format", highlight=False)
-    if metrics.get("sampler_logprob_gap/mean", 0.0) > GAP_WARNING:
-        display.print(f"[bold red]warning[/]: the generator's log-probs differ from the trainer's by "
-                      f"{metrics['sampler_logprob_gap/mean']:.3f} per token on average: its weights "
-                      f"are stale or wrong, and samples are off-policy")
-    return bad_in_a_row
-
-
-class StopRequest:
-    """SIGINT (Ctrl-C) or SIGTERM: finish the current step, save a checkpoint, stop. A second one stops at
-    once (KeyboardInterrupt), and the run resumes from its last checkpoint."""
-
-    def __init__(self):
-        self.requested: str | None = None
-        self.previous = {}
-
-    def __enter__(self) -> "StopRequest":
-        import threading
-
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self.previous[sig] = signal.signal(sig, self.handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    def handle(self, signum, frame) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = signal.Signals(signum).name
-        print(f"\n{self.requested}: finishing this step, then saving a checkpoint (send it again to stop at once)",
-              flush=True)
-
-
-# torch's cpu allocator says "can't allocate memory"; a cuda call failing inside a library (vLLM mapping its
-# memory back at wake-up) raises "CUDA error: out of memory"
-OUT_OF_MEMORY_TEXTS = ("can't allocate memory", "out of memory")
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """A GPU out-of-memory error, Python's MemoryError, or an allocator failing inside a library (a
-    RuntimeError whose text says so, as torch's cpu allocator and vLLM's wake-up raise it)."""
-    return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or (
-        isinstance(error, RuntimeError) and any(text in str(error) for text in OUT_OF_MEMORY_TEXTS))
-
-
-def out_of_memory_advice(cfg: TrainConfig) -> str:
-    used = f"peak {peak_memory_gb():.1f} GB" + (
-        f" of {torch.cuda.get_device_properties(0).total_memory / 2**30:.1f} GB" if torch.cuda.is_available() else "")
-    return (f"[bold red]out of memory[/] ({used}). Lower one of: --num-generations (now {cfg.num_generations}), "
-            f"--max-new-tokens (now {cfg.max_new_tokens}), --micro-batch-size (now {cfg.micro_batch_size}), "
-            f"--prompts-per-step (now {cfg.prompts_per_step})"
-            + (f", or the engine's --gpu-memory-utilization (now {cfg.gpu_memory_utilization})"
-               if cfg.generator != "hf" else "") + ". The last completed step is saved; resume with --resume. "
-            + (f"`minigrpo bench model --model {cfg.model}` measures which settings fit." if cfg.model in PRESETS
-               else ""))
 
 
 def train_step(cfg: TrainConfig, step: int, state: RunState, task: Task,

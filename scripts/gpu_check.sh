@@ -126,7 +126,7 @@ import torch
 from safetensors.torch import load_file
 from minigrpo.config import TrainConfig
 from minigrpo.bench.steps import peak_agrees
-from minigrpo.plan import plans_for
+from minigrpo.cli.machine import plans_for
 from minigrpo.train import GAP_WARNING
 run = Path(sys.argv[1])
 steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

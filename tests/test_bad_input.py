@@ -21,7 +21,8 @@ from minigrpo.cli.app import app
 from minigrpo.console import Display
 from minigrpo.run import RunFolder, results_folder
 from minigrpo.scoring import RewardError, score
-from minigrpo.tasks import get_task, read_rows
+from minigrpo.data import read_rows
+from minigrpo.tasks import get_task
 
 ROWS = [{"prompt": "p1", "answer": "a"}, {"prompt": "p2", "answer": "b"}]
 FAST = ["-G", "2", "--prompts-per-step", "2", "--max-new-tokens", "8", "--no-eval-before-after"]

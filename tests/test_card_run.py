@@ -236,7 +236,9 @@ def test_the_plan_counts_the_evaluations_decode_and_the_state_kept_through_train
     """llama-3.2-3b on a T4 with transformers generation: the default greedy evaluation decodes 64 rows at once
     (about 5 GB of cache where a training rollout's 16 rows take 1.2), and the sampled one 256; the plan now
     counts them, and where they cannot fit, names the flag that makes them fit."""
-    from minigrpo.plan import StepMemory, plans_for, preset_shape
+    from minigrpo.cli.machine import plans_for
+    from minigrpo.config import preset_shape
+    from minigrpo.plan import StepMemory
 
     def plan(**settings):
         cfg = TrainConfig(model="llama-3.2-3b", generator="hf", load_in_4bit=True, **settings)

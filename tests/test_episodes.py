@@ -411,12 +411,12 @@ def test_eval_and_check_reward_sample_episodes_under_the_turn_limit_asked_for(mo
     the config both commands sample with."""
     from typer.testing import CliRunner
 
-    from minigrpo import episodes
+    from minigrpo import settle
     from minigrpo.cli.app import app
 
     seen = []
-    settle = episodes.settle_budget
-    monkeypatch.setattr(episodes, "settle_budget", lambda cfg, task: (seen.append(cfg.max_turns), settle(cfg, task)))
+    budget = settle.episode_budget
+    monkeypatch.setattr(settle, "episode_budget", lambda cfg, task: (seen.append(cfg.max_turns), budget(cfg, task))[1])
     runner = CliRunner()
     result = runner.invoke(app, ["eval", "--task", "guess", "--prompts", "1", "--samples", "1", "--max-new-tokens",
                                  "4", "--max-turns", "2"])

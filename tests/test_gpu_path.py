@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 
 from minigrpo import hardware
 from minigrpo.cli.app import app
-from minigrpo.config import PRESETS, TrainConfig
+from minigrpo.config import PRESETS, TrainConfig, preset_shape
 from minigrpo.hardware import CARDS, Gpu, compute_dtype, vllm_requirement, vllm_supported
-from minigrpo.plan import Settings, Sizes, make_plan, preset_shape
+from minigrpo.plan import Settings, Sizes, make_plan
 
 ROOT = Path(__file__).parent.parent
 
@@ -290,7 +290,7 @@ def test_a_run_that_cannot_fit_stops_before_anything_loads(monkeypatch, tiny_mod
 # --- 7. smaller ones ---
 
 def test_out_of_memory_at_wake_up_is_recognised():
-    from minigrpo.train import is_out_of_memory
+    from minigrpo.health import is_out_of_memory
 
     assert is_out_of_memory(RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously "
                                          "reported at some other API call"))

@@ -288,9 +288,8 @@ def test_a_tool_task_needs_a_template_with_tools_under_trl(tmp_path):
     assert result.exit_code == 1 and "chat template has no tool support" in said(result), result.output
     assert "qwen-1.5b" in said(result) and not (tmp_path / "trl").exists()
     from minigrpo.graduate import trl_settings
-    from minigrpo.episodes import settle_budget
+    from minigrpo import settle
     from minigrpo.tasks import get_task
 
-    cfg = TrainConfig(task="multiply", max_turns=3, max_new_tokens=64)
-    settle_budget(cfg, get_task("multiply"))
+    cfg = settle.episode_budget(TrainConfig(task="multiply", max_turns=3, max_new_tokens=64), get_task("multiply"))
     assert trl_settings(cfg, 1)["max_completion_length"] == 3 * 64  # the episode's budget, not one turn's

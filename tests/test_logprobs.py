@@ -106,7 +106,7 @@ def test_bf16_projections_keep_the_adapters_small_additions(tiny_model_path):
     from minigrpo.generate import Sampling
     from minigrpo.generate.hf import HFGenerator
     from minigrpo.model import Bf16Linear
-    from minigrpo.train import GAP_WARNING
+    from minigrpo.health import GAP_WARNING
 
     def addition_error(policy):
         layer = policy.get_base_model().model.layers[0].mlp.down_proj

@@ -147,11 +147,12 @@ def scored(task, rows, completions):
 
 
 def test_prompts_come_from_seeded_resets_and_each_completion_is_an_episode(server):
-    task = get_task(f"openenv:{server}/say:size=6")
+    task = get_task(f"openenv:{server}/say:size=20")
     assert task.reward_names == ["openenv_SayWord"]
     train, test = task.make_data("train", 0), task.make_data("test", 0)
     assert [r["prompt"][0]["content"] for r in train[:2]] == ["Say the word apple.", "Say the word river."]
-    assert len(train) == 6 and test and not {r["openenv_seed"] for r in train} & {r["openenv_seed"] for r in test}
+    assert len(train) == 20 and len(test) == 2  # a tenth held out, as of every source
+    assert not {r["openenv_seed"] for r in train} & {r["openenv_seed"] for r in test}
     result = scored(task, train[:3], ["apple", "banana", "Stone, I say."])
     assert result.values["openenv_SayWord"] == [1.0, 0.0, 1.0] and not result.errors
 
@@ -177,7 +178,7 @@ def test_failed_episodes_score_zero_counted_and_within_their_deadline(server, mo
     assert result.values["openenv_SayWord"] == [0.0, 0.0, 1.0]
     assert result.metrics == {"openenv/timeout": [1.0], "openenv/malformed": [1.0]}
     assert time.monotonic() - started < 100  # the 120-s step was cut at its 10-s deadline, not waited for
-    monkeypatch.setattr("minigrpo.scoring.time_left", lambda: 0.0)  # the reward's own time limit is spent
+    monkeypatch.setattr("minigrpo.guard.time_left", lambda: 0.0)  # the reward's own time limit is spent
     with pytest.warns(UserWarning, match="could not score 1 of 1"):
         spent = scored(task, [row], ["apple"])
     assert spent.metrics == {"openenv/timeout": [1.0]}  # not asked at all: no wait past the limit

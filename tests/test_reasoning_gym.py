@@ -23,7 +23,7 @@ def said(result) -> str:
 def test_the_generators_questions_and_its_own_scoring():
     task = get_task(SMALL)
     train, test = task.make_data("train", 0), task.make_data("test", 0)
-    assert len(train) == 200 and test
+    assert len(train) == 200 and 0 < len(test) <= 20  # a tenth drawn from another seed, less repeats
     reference = rg.create_dataset("basic_arithmetic", size=200, seed=0, min_terms=2, max_terms=2, min_digits=1,
                                   max_digits=2)
     assert [r["prompt"][-1]["content"] for r in train] == [e["question"] for e in reference]

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from minigrpo import TrainConfig, train
 from minigrpo import checkpoint
-from minigrpo.train import is_out_of_memory, out_of_memory_advice
+from minigrpo.health import is_out_of_memory, out_of_memory_advice
 
 # at these tiny settings most groups have equal rewards; with this seed a group of the second step differs (in
 # float32 and with bf16 projections alike), so the adapter moves before the run is cut

@@ -339,7 +339,7 @@ def test_as_an_unprivileged_user(nobody_folder, listener, request):
     tmp_path = nobody_folder
     code = tmp_path / "code"
     code.mkdir()
-    for name in ("runner.py", "confine.py"):
+    for name in ("runner.py", "confine.py", "syscalls.json"):
         shutil.copy(Path(sandbox.__file__).with_name(name), code / name)
     out = tmp_path / "outside"
     out.mkdir()

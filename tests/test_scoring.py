@@ -7,7 +7,8 @@ import pytest
 
 from minigrpo import per_sample
 from minigrpo.scoring import RewardError, Scores, score
-from minigrpo.tasks import get_task, load_reward, read_rows
+from minigrpo.data import read_rows
+from minigrpo.tasks import get_task, load_reward
 
 ROWS = [{"prompt": "p1", "answer": "a"}, {"prompt": "p2", "answer": "b"}]
 

@@ -114,7 +114,7 @@ def test_a_run_with_nothing_to_learn_from_is_told_once_and_a_group_with_spread_r
 
     from minigrpo.config import TrainConfig
     from minigrpo.console import Display
-    from minigrpo.train import FLAT_STEPS, check_health
+    from minigrpo.health import FLAT_STEPS, check_health
 
     def warnings(spreads: list[float]) -> list[str]:
         display = Display(len(spreads), Console(record=True, width=400))

@@ -89,7 +89,7 @@ def eval_command(
 
     from minigrpo.judge import rubric as judge
     from minigrpo.console import describe_eval
-    from minigrpo.episodes import settle_budget
+    from minigrpo import settle
     from minigrpo.evaluate import Evaluator
     from minigrpo.generate.hf import HFGenerator
     from minigrpo.model import adapter_folder, load_trained, seed_everything
@@ -107,7 +107,7 @@ def eval_command(
     policy, tokenizer, cfg = load_trained(adapter, model, max_new_tokens=max_new_tokens, max_turns=max_turns,
                                           eval_prompts=prompts, eval_samples=samples, seed=seed, eval_data=eval_data)
     seed_everything(cfg.seed)
-    settle_budget(cfg, t)
+    cfg = settle.episode_budget(cfg, t)
     generator = HFGenerator(policy, tokenizer)
     judge.attach(judge.base_generate(generator, tokenizer), folder)
     result = Evaluator(cfg, t, t.weights, tokenizer, generator, folder)(None)

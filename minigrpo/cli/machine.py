@@ -39,8 +39,6 @@ def plan_command(
     on this machine's GPU by default, else on every known card."""
     import json
 
-    from minigrpo.plan import plans_for
-
     try:
         cfg = TrainConfig(model=model, num_generations=num_generations, prompts_per_step=prompts_per_step,
                           max_new_tokens=max_new_tokens, micro_batch_size=micro_batch_size, lora_rank=lora_rank,
@@ -192,7 +190,7 @@ def bench_tables(
 @clear_errors
 def bench_dtype() -> None:
     """float32 against bfloat16 matmuls on this cpu, and with bf16 instructions capped off (why auto picks one)."""
-    from minigrpo.bench.steps import dtype_speed
+    from minigrpo.bench.parts import dtype_speed
 
     dtype_speed()
 
@@ -201,7 +199,7 @@ def bench_dtype() -> None:
 @clear_errors
 def bench_memory() -> None:
     """Peak memory of the log-prob + loss pass, chunked vs full logits, as length and G grow (tiny model)."""
-    from minigrpo.bench.steps import memory_scaling
+    from minigrpo.bench.parts import memory_scaling
 
     memory_scaling()
 
@@ -298,3 +296,32 @@ def bench_model_command(
     from minigrpo.bench.steps import bench_model
 
     bench_model(model, tuple(num_generations), tuple(max_new_tokens) or None, steps, generator, random_weights)
+
+
+def shape_of(cfg):
+    """The model's architecture: a preset's own, else its config from the hub or a folder."""
+    from transformers import AutoConfig
+
+    from minigrpo.config import PRESETS, preset_shape
+    from minigrpo.weights import resolve_weights
+
+    if cfg.model in PRESETS:
+        return preset_shape(cfg.model)
+    weights = resolve_weights(cfg.hub_id)  # a hub id out of reach: why, in one line, without retries
+    try:
+        return AutoConfig.from_pretrained(weights)
+    except Exception as error:
+        raise ValueError(f"cannot read the config of {cfg.model!r} ({type(error).__name__}); give a preset "
+                         f"({', '.join(PRESETS)}), a local folder or a reachable hub id") from None
+
+
+def plans_for(cfg, gpu: str | None, gpu_memory: float | None) -> dict:
+    """`minigrpo plan`'s plans: the card named (or of that memory), else this machine's GPU, else all CARDS."""
+    from minigrpo.hardware import CARDS, card, this_gpu, vllm_available
+    from minigrpo.plan import Settings, make_plan
+
+    here = None if gpu or gpu_memory else this_gpu()
+    cards = ({gpu or f"{gpu_memory:g} GB": card(gpu, gpu_memory)} if gpu or gpu_memory else
+             {"this GPU": here} if here else dict(CARDS))
+    installed = vllm_available() if here else True  # for another machine's card, assume it will have vLLM
+    return {label: make_plan(shape_of(cfg), c, Settings.of(cfg), installed) for label, c in cards.items()}

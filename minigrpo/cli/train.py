@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from minigrpo import settle
 from minigrpo.cli.talk import UNCONFINED_HELP
 from minigrpo.config import TrainConfig
 from minigrpo.errors import clear_errors
@@ -83,7 +84,8 @@ def train(
     eval_prompts: int = typer.Option(64, help="Held-out prompts per evaluation."),
     eval_samples: int = typer.Option(4, help="Samples per held-out prompt for the mean reward."),
     eval_data: str = typer.Option(None, help="A data file of held-out rows to evaluate on [default: the task's "
-                                             "own held-out split; a data file holds out a tenth of its rows]."),
+                                             "own held-out split: every source holds out a tenth of its rows, "
+                                             "at most 200]."),
     lora_rank: int = typer.Option(None, help=f"LoRA rank (alpha = 2 x rank). {PRESET_HELP}"),
     temperature: float = typer.Option(1.0, help="Sampling temperature."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling threshold."),
@@ -133,9 +135,7 @@ def train(
             raise typer.BadParameter(f"--resume continues {resume} with the settings in its config.json, and "
                                      f"only --steps can change: {'; '.join(changed)}. Drop the flag, or start a "
                                      f"new run to change it")
-        if steps is not None:
-            cfg.steps = steps
-        cfg.output_dir = resume
+        cfg = settle.overridden(cfg, steps=steps, output_dir=resume)
     else:
         cfg = config_from_flags(ctx.params)
     run_training(cfg, resume=bool(resume))

@@ -2,7 +2,7 @@
 
 `ChatEndpoint.ask` sends a batch of conversations `concurrency` at a time, each request with `timeout`
 seconds and `retries` retries with exponential backoff (429, obeying Retry-After in both its forms, and 5xx).
-Inside a reward's time limit (`scoring.time_left`), that limit is a hard deadline for the whole batch,
+Inside a reward's time limit (`guard.time_left`), that limit is a hard deadline for the whole batch,
 retries included: it stops waiting in time to return, and what is unanswered scores 0 as a counted error,
 never a crash and never a wait for a stuck server. Ctrl-C goes through: the workers stop retrying and
 nobody waits for them. `preflight` checks the endpoint before training.
@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from datetime import datetime, timezone
 from typing import Callable
 
-from minigrpo.scoring import time_left
+from minigrpo.guard import time_left
 
 
 class JudgeUnavailable(ValueError):

@@ -1,27 +1,10 @@
 """The sandbox's child: confine this process with the kernel, then run one program on the tests' arguments.
 
 Run as `python -I -S confine.py` with a job (JSON) on stdin; it writes to the job's file descriptor one line
-reporting the layers it got, then (unless a required layer is missing) the program's results. Standard library only: the child never sees site-packages, where the tests may live.
+reporting the layers it got, then (unless a required layer is missing) the program's results. Standard library
+only: the child never sees site-packages, where the tests may live; its one other file is syscalls.json.
 
-The layers, applied in this order, each by the kernel, so nothing the program does in Python undoes them:
-  rlimits     cpu seconds, address space, file size, open files, processes; no core dumps
-  namespaces  new user, pid, network, ipc, uts and mount namespaces: the program is pid 1 of its own process
-              tree (when it ends, the kernel kills everything in it), sees no other process, and has no
-              network device at all; it holds no capabilities
-  own root    pivot_root into a tmpfs of a fixed size holding only the standard library and shared libraries
-              (bound read-only, site-packages hidden), /dev/null, /dev/urandom and its folder /work: no other
-              path exists for it, so no stat, inotify or /proc of anything outside
-  landlock    the filesystem: read-only access to Python's standard library (not site-packages) and the
-              shared libraries it loads, read-write access to its own folder, nothing else (not /proc,
-              not /etc, not /home); no TCP bind or connect; no signals to, or abstract sockets of, processes
-              outside (each where the kernel's Landlock ABI has it)
-  seccomp     system calls refused with EPERM: new processes (fork, vfork, clone without CLONE_THREAD),
-              exec, sockets, setsid/setpgid (leaving the process group the parent kills), ptrace and
-              process_vm_*, mount and namespace calls, io_uring, bpf, perf, keyrings, modules, file handles,
-              and what Landlock leaves open: chmod, chown, utime and extended attributes
-  audit hook  a second layer inside the interpreter, for readable errors; the kernel layers are the boundary
-Where the kernel lacks a layer, the job's `require` decides: a required layer missing means the program is
-not run at all.
+The layers it applies, and what each refuses, are listed in the package's docstring (sandbox/__init__.py).
 """
 
 import ctypes
@@ -233,42 +216,13 @@ def _allow(ruleset: int, path: str, rights: int) -> None:
         os.close(fd)
 
 
-# seccomp: system calls refused with EPERM, by number, from the kernel's tables for x86_64 and aarch64 (on other
-# architectures this layer is reported missing)
-X86_64 = {
-    "fork": 57, "vfork": 58, "execve": 59, "execveat": 322, "socket": 41, "socketpair": 53, "setsid": 112,
-    "setpgid": 109, "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "mount": 165,
-    "umount2": 166, "pivot_root": 155, "chroot": 161, "unshare": 272, "setns": 308, "open_tree": 428,
-    "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442,
-    "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "bpf": 321,
-    "perf_event_open": 298, "userfaultfd": 323, "keyctl": 250, "add_key": 248, "request_key": 249,
-    "init_module": 175, "finit_module": 313, "delete_module": 176, "kexec_load": 246, "kexec_file_load": 320,
-    "reboot": 169, "swapon": 167, "swapoff": 168, "acct": 163, "quotactl": 179, "syslog": 103, "ioperm": 173,
-    "iopl": 172, "name_to_handle_at": 303, "open_by_handle_at": 304, "pidfd_getfd": 438, "kcmp": 312,
-    "personality": 135, "mknod": 133, "mknodat": 259, "uselib": 134, "sethostname": 170,
-    "setdomainname": 171, "settimeofday": 164, "clock_settime": 227, "adjtimex": 159, "clock_adjtime": 305,
-    # Landlock does not cover a file's mode, owner, times or extended attributes: refuse them all
-    "chmod": 90, "fchmod": 91, "fchmodat": 268, "fchmodat2": 452, "chown": 92, "fchown": 93, "lchown": 94,
-    "fchownat": 260, "utime": 132, "utimes": 235, "futimesat": 261, "utimensat": 280, "setxattr": 188,
-    "lsetxattr": 189, "fsetxattr": 190, "removexattr": 197, "lremovexattr": 198, "fremovexattr": 199,
-    "setxattrat": 463, "removexattrat": 466,
-}
-AARCH64 = {  # no fork or vfork: clone does both
-    "execve": 221, "execveat": 281, "socket": 198, "socketpair": 199, "setsid": 157, "setpgid": 154, "ptrace": 117,
-    "process_vm_readv": 270, "process_vm_writev": 271, "mount": 40, "umount2": 39, "pivot_root": 41, "chroot": 51,
-    "unshare": 97, "setns": 268, "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432,
-    "fspick": 433, "mount_setattr": 442, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
-    "bpf": 280, "perf_event_open": 241, "userfaultfd": 282, "keyctl": 219, "add_key": 217, "request_key": 218,
-    "init_module": 105, "finit_module": 273, "delete_module": 106, "kexec_load": 104, "kexec_file_load": 294,
-    "reboot": 142, "swapon": 224, "swapoff": 225, "acct": 89, "quotactl": 60, "syslog": 116,
-    "name_to_handle_at": 264, "open_by_handle_at": 265, "pidfd_getfd": 438, "kcmp": 272, "personality": 92,
-    "mknodat": 33, "sethostname": 161, "setdomainname": 162, "settimeofday": 170, "clock_settime": 112,
-    "adjtimex": 171, "clock_adjtime": 266, "fchmod": 52, "fchmodat": 53, "fchmodat2": 452, "fchown": 55,
-    "fchownat": 54, "utimensat": 88, "setxattr": 5, "lsetxattr": 6, "fsetxattr": 7, "removexattr": 14,
-    "lremovexattr": 15, "fremovexattr": 16, "setxattrat": 463, "removexattrat": 466,
-}
-# architecture: (AUDIT_ARCH_*, clone, clone3, refused)
-SYSCALLS = {"x86_64": (0xC000003E, 56, 435, X86_64), "aarch64": (0xC00000B7, 220, 435, AARCH64)}
+# seccomp: system calls refused with EPERM, by number, from the kernel's tables for x86_64 and aarch64 (elsewhere
+# this layer is reported missing); chmod, chown, utime and xattr calls among them, as Landlock leaves a file's
+# mode, owner, times and attributes open. Read now: the process's own root will not hold the file.
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "syscalls.json")) as tables:
+    # architecture: (AUDIT_ARCH_*, clone, clone3, refused); aarch64 has no fork or vfork (clone does both)
+    SYSCALLS = {arch: (int(t["audit_arch"], 16), t["clone"], t["clone3"], t["refused"])
+                for arch, t in json.load(tables).items()}
 RET_KILL, RET_ALLOW = 0x80000000, 0x7FFF0000
 RET_EPERM, RET_ENOSYS = 0x00050000 | 1, 0x00050000 | 38
 LD_W_ABS, JEQ, JSET, JGE, RET = 0x20, 0x15, 0x45, 0x35, 0x06

@@ -8,7 +8,7 @@ assertions, or prints "all tests passed" gains nothing: no results, or wrong one
 The child (`minigrpo/sandbox/confine.py`) is an isolated interpreter (`python -I -S`: no site-packages) with a
 scrubbed environment, confined by the kernel: rlimits, new user/pid/network namespaces, a root of its own
 (the standard library and shared libraries read-only and an empty folder: nothing else exists for it, not even
-for `stat`), Landlock for the filesystem and seccomp for system calls (what each does is in that file). The
+for `stat`), Landlock for the filesystem and seccomp for system calls (what each does: the package's docstring). The
 parent kills its process group at the wall-clock timeout, and the folder is removed.
 
 The child's first line on the result pipe reports its layers, written before the program runs, so nothing

@@ -23,6 +23,8 @@ import json
 import re
 from collections import Counter
 
+from minigrpo.sources.spec import held_out_size
+
 EXTRA = "pip install 'minigrpo[openenv]'"
 DEFAULT_SIZE = 64
 TIMEOUT_S = 30.0
@@ -79,12 +81,13 @@ def fields_from_spec(spec: str) -> dict:
 
     def make_data(split: str, seed: int) -> list[dict]:
         base = seed * 1_000_000 + (HELD_OUT_SEEDS if split == "test" else 0)
-        count = size if split == "train" else min(200, max(size // 5, 1))
+        count = size if split == "train" else held_out_size(size)
         return [{"prompt": [{"role": "user", "content": _observation_text(_first_observation(url, s, timeout))
                              + ask}], "openenv_seed": s} for s in range(base, base + count)]
 
     def reward(completions, openenv_seed, log_metric=None, **columns) -> list:
-        from minigrpo.scoring import text_of, time_left
+        from minigrpo.guard import time_left
+        from minigrpo.scoring import text_of
 
         out, failed = [], Counter()
         for completion, seed in zip(completions, openenv_seed):
@@ -193,7 +196,7 @@ def _run(coroutine, limit: float):
     returns, and the session's closing finishes there. How it failed, as an EpisodeError."""
     import concurrent.futures
 
-    from minigrpo.scoring import background_loop
+    from minigrpo.guard import background_loop
 
     future = asyncio.run_coroutine_threadsafe(coroutine, background_loop())
     try:

@@ -22,10 +22,10 @@ from __future__ import annotations
 import difflib
 import functools
 
-from minigrpo.sources.spec import parse_spec
+from minigrpo.sources.spec import held_out_size, parse_spec
 
 EXTRA = "pip install 'minigrpo[reasoning-gym]'"
-DEFAULT_SIZE = 1000  # training rows; the held-out split draws up to a fifth of that, at most 500
+DEFAULT_SIZE = 1000  # training rows; the held-out split draws held_out_size(size) more from another seed
 HELD_OUT_SEED = 1_000_003  # added to the training seed for the held-out rows
 SHOTS_SEED = 7_777_777  # the seed of the worked exchanges shown before each question (shots=N)
 FORMAT_WEIGHT = 0.2
@@ -66,7 +66,9 @@ def task_fields(name: str, size: int = DEFAULT_SIZE, seed: int | None = None, sy
         base = run_seed if seed is None else seed
         if split == "train":
             return rg.create_dataset(name, size=size, seed=base, **options)
-        return rg.create_dataset(name, size=min(500, max(size // 5, 1)), seed=base + HELD_OUT_SEED, **options)
+        if not held_out_size(size):
+            return []
+        return rg.create_dataset(name, size=held_out_size(size), seed=base + HELD_OUT_SEED, **options)
 
     def make_data(split: str, run_seed: int) -> list[dict]:
         data = dataset(split, run_seed)

@@ -32,10 +32,20 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     return name, parsed
 
 
+def held_out_size(rows: int) -> int:
+    """The one rule of every task source: of `rows` rows, a tenth is held out, at most 200 (none of fewer than
+    ten). A list of rows gives up a slice (split_rows); a generator draws that many more from seeds of its own.
+
+    >>> held_out_size(1000), held_out_size(5000), held_out_size(64), held_out_size(9)
+    (100, 200, 6, 0)
+    """
+    return min(200, rows // 10)
+
+
 def split_rows(rows: list[dict], split: str, seed: int) -> list[dict]:
-    """A fixed, seeded held-out slice for "test" (a tenth, at most 200 rows); the rest for "train"."""
+    """A fixed, seeded held-out slice for "test" (held_out_size's); the rest for "train"."""
     order = list(range(len(rows)))
     random.Random(seed).shuffle(order)
-    n_test = min(200, len(rows) // 10)
+    n_test = held_out_size(len(rows))
     chosen = order[:n_test] if split == "test" else order[n_test:]
     return [rows[i] for i in sorted(chosen)]

@@ -209,7 +209,7 @@ def _score(task, completion, vf):
     (the task's own code: scored 0, counted)."""
     from verifiers.v1.graph import MessageNode
 
-    from minigrpo.scoring import awaited
+    from minigrpo.guard import awaited
 
     given = [_message(m, False) for m in messages(task.data)]
     taken = [_message(m, True) for m in completion] if isinstance(completion, list) else [

@@ -162,7 +162,7 @@ _registered: list = []
 def _loop() -> asyncio.AbstractEventLoop:
     """The event loop every episode's run() lives on, minigrpo's background loop (at exit, the runs still
     waiting for a turn are cancelled)."""
-    from minigrpo.scoring import background_loop
+    from minigrpo.guard import background_loop
 
     if not _registered:
         _registered.append(atexit.register(_cancel_all))
