@@ -62,8 +62,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
     cfg, note = settle.evaluation(cfg, task, train_rows)
     notes += filter(None, [note])
     resolve_weights(cfg.hub_id)
-    if not resume:
-        cfg = settle.run_folder(cfg)
+    cfg = settle.run_folder(cfg)  # a resumed run's folder is its own already
     run = RunFolder(Path(cfg.output_dir), cfg.report_to) if resume else RunFolder.claim(cfg)
     if resume:
         run.lock()  # before the model loads: a second process on this folder stops here, in one line
