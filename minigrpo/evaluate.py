@@ -38,7 +38,7 @@ class Evaluator:
         """pass@1 (greedy) and the mean reward of eval_samples samples per prompt; without samples, the mean
         reward is the greedy completions' (fast: the before/after every run gets)."""
         start = time.perf_counter()
-        greedy, _ = self._totals(Sampling(1, self.cfg.max_new_tokens, temperature=0.0))
+        greedy, given = self._totals(Sampling(1, self.cfg.max_new_tokens, temperature=0.0))
         n = self.cfg.eval_samples if with_samples else 1
         sampled, answers = self._totals(Sampling(n, self.cfg.max_new_tokens, self.cfg.temperature,
                                                  self.cfg.top_p)) if with_samples else (greedy, [])
@@ -51,6 +51,8 @@ class Evaluator:
             "reward/mean": statistics.fmean(per_prompt), "reward/stderr": stderr(per_prompt),
             "greedy_reward/mean": statistics.fmean(greedy), "time/eval": time.perf_counter() - start,
         }
+        if given:  # a model that gives every prompt one answer scores that answer's share of the rows, not a skill
+            result["greedy/top_answer_share"] = top_answer_share(given)
         if with_samples:
             result.update(sampled_metrics(sampled, answers, n, self.cfg.solved_reward))
         if self.out:
@@ -93,6 +95,15 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     (0.25, 0.5, 0.0, 1.0)
     """
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def top_answer_share(answers: list) -> float:
+    """The share of prompts given the most common answer (a prompt given none counts, but not as an answer).
+
+    >>> top_answer_share(["Yes", "Yes", "No", None]), top_answer_share(["3", "5", "8", "13"]), top_answer_share([None])
+    (0.5, 0.25, 0.0)
+    """
+    return max((answers.count(a) for a in answers if a is not None), default=0) / len(answers)
 
 
 def majority_solved(answers: list, solved: list[bool]) -> float:

@@ -234,7 +234,10 @@ def run_record(evals: list[dict], steps_clock: list[tuple[int, float]], wall: fl
         raise RuntimeError(f"the run in {folder} has {len(evals)} evaluation(s); a card needs one before and one after")
     curve = [{"step": e["step"], "train_s": round(at.get(e["step"], 0.0), 2), "pass@1": e["pass@1"],
               "reward": e["reward/mean"]} for e in evals]
-    point = lambda e: {"pass@1": e["pass@1"], "reward": e["reward/mean"]}  # noqa: E731
+    def point(e: dict) -> dict:  # with the share of prompts given the commonest answer, where the task has answers
+        share = {"top_answer": e["greedy/top_answer_share"]} if "greedy/top_answer_share" in e else {}
+        return {"pass@1": e["pass@1"], "reward": e["reward/mean"], **share}
+
     return {"before": point(evals[0]), "after": point(evals[-1]), "curve": curve,
             "train_s": round(steps_clock[-1][1] if steps_clock else 0.0, 1), "wall_s": round(wall, 1)}
 
@@ -258,6 +261,8 @@ def summarize(runs: list[dict]) -> dict:
         out[key] = {"before": mean_se([r["before"][key] for r in runs]),
                     "after": mean_se([r["after"][key] for r in runs]),
                     "gain": mean_se([r["after"][key] - r["before"][key] for r in runs])}
+    if all("top_answer" in r["after"] for r in runs):
+        out["top_answer"] = {"after": mean_se([r["after"]["top_answer"] for r in runs])}
     out["train_s"] = mean_se([r["train_s"] for r in runs])
     return out
 
@@ -268,19 +273,23 @@ def _pm(x: dict, scale: float = 100.0, sign: bool = False) -> str:
     return text + (f" ± {x['se'] * scale:.1f}" if x["se"] is not None else "")
 
 
-HEADER = ("| task | model | trainer | seeds | steps | pass@1 before | pass@1 after | gain (points) | "
-          "reward before → after | training s / seed | hardware |\n|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| task | model | trainer | seeds | steps | pass@1 before | pass@1 after | gain (points) | one answer after | "
+          "reward before → after | training s / seed | hardware |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def table(cards: list[dict]) -> str:
-    """The results table: one row per card and trainer, pass@1 in points (mean ± standard error over seeds)."""
+    """The results table: one row per card and trainer, pass@1 in points (mean ± standard error over seeds);
+    "one answer after", the share of held-out prompts given the trained model's commonest answer: a model that
+    answers everything alike scores that answer's share of the rows, which is no skill."""
     rows = [HEADER]
     for card in cards:
         for trainer, result in card["trainers"].items():
             s = result["summary"]
             rows.append(f"| {card['task']} | {card['model']} | {trainer} | {len(result['runs'])} | {card['steps']} | "
                         f"{_pm(s['pass@1']['before'])} | {_pm(s['pass@1']['after'])} | "
-                        f"{_pm(s['pass@1']['gain'], sign=True)} | {s['reward']['before']['mean']:.3f} → "
+                        f"{_pm(s['pass@1']['gain'], sign=True)} | "
+                        f"{_pm(s['top_answer']['after']) if 'top_answer' in s else '-'} | "
+                        f"{s['reward']['before']['mean']:.3f} → "
                         f"{s['reward']['after']['mean']:.3f} | {s['train_s']['mean']:.0f} | "
                         f"{describe_hardware(card['hardware'])} |")
     return "\n".join(rows)
