@@ -112,6 +112,8 @@ def describe_eval(r: dict) -> str:
         line += "\n  sampled pass@k: " + ", ".join(f"k={k} {r[f'sampled/pass@{k}']:.3f}" for k in ks)
     if f"sampled/maj@{n}" in r:
         line += f"  maj@{n} {r[f'sampled/maj@{n}']:.3f} ± {r[f'sampled/maj@{n}/stderr']:.3f}"
+    if "greedy/top_answer_share" in r:  # near the pass@1, the score is one answer's share of the rows
+        line += f"\n  greedy: one answer to {r['greedy/top_answer_share']:.0%} of prompts"
     return line
 
 

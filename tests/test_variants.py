@@ -94,6 +94,9 @@ def test_eval_before_and_after(tmp_path):
     (result,) = read(tmp_path / "evals" / "eval.jsonl")
     passes = [result[f"sampled/pass@{k}"] for k in (1, 2, 3)]  # powers of two up to n, and n itself
     assert passes == sorted(passes) and "sampled/pass@4" not in result and "sampled/maj@3" in result
+    # addition extracts answers: the share of the 4 prompts given the commonest greedy one, said on the line too
+    assert result["greedy/top_answer_share"] in (0, 0.25, 0.5, 0.75, 1.0)
+    assert f"greedy: one answer to {result['greedy/top_answer_share']:.0%} of prompts" in base.output
     from minigrpo.plot import plot_run
 
     assert plot_run(run).exists()  # the held-out panel with the sampled pass@k and maj@k
