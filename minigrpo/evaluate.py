@@ -100,8 +100,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def top_answer_share(answers: list) -> float:
     """The share of prompts given the most common answer (a prompt given none counts, but not as an answer).
 
-    >>> top_answer_share(["Yes", "Yes", "No", None]), top_answer_share(["3", "5", "8", "13"]), top_answer_share([None])
-    (0.5, 0.25, 0.0)
+    >>> top_answer_share(["Yes", "Yes", "No", None]), top_answer_share(["3", "5", "8", "13"])
+    (0.5, 0.25)
+    >>> top_answer_share([None, None])
+    0.0
     """
     return max((answers.count(a) for a in answers if a is not None), default=0) / len(answers)
 

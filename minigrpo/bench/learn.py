@@ -273,8 +273,9 @@ def _pm(x: dict, scale: float = 100.0, sign: bool = False) -> str:
     return text + (f" ± {x['se'] * scale:.1f}" if x["se"] is not None else "")
 
 
-HEADER = ("| task | model | trainer | seeds | steps | pass@1 before | pass@1 after | gain (points) | one answer after | "
-          "reward before → after | training s / seed | hardware |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| task | model | trainer | seeds | steps | pass@1 before | pass@1 after | gain (points) | "
+          "one answer after | reward before → after | training s / seed | hardware |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def table(cards: list[dict]) -> str:
