@@ -7,6 +7,10 @@ when the model's last turn guesses the secret; short of that, up to 0.5 for how 
 so a model that follows the hints earns more than one that guesses blindly, and a tiny model that only
 learns to answer with a number still sees a gradient (four turns of halving find any secret from 1 to 9).
 
+Each prompt opens with one worked game (5, "Higher.", 7, "Lower.", 6, found): a small model asked for "one
+number" otherwise writes prose, runs into the turn's token limit (which ends the episode) and never hears a
+hint; shown a game, it answers with bare numbers, so its episodes have the turns in which hints can be followed.
+
 >>> guess_reward([[{"role": "assistant", "content": "5"}, {"role": "user", "content": "Higher."},
 ...                {"role": "assistant", "content": "Is it 7?"}]], secret=[7])
 [1.0]
@@ -69,11 +73,22 @@ def guess_reward(completions: list, secret: list[int], **kwargs) -> list[float]:
     return scores
 
 
+PHRASINGS = ["I am thinking of a number from 1 to 9. Guess it: answer with one number, and I will say higher or "
+             "lower.", "Guess my number (1 to 9). Reply with a single number each turn."]
+
+# the game every prompt opens with: bare numbers, each following the hint before it (the secret was 6)
+WORKED = [{"role": "user", "content": PHRASINGS[0]}, {"role": "assistant", "content": "5"},
+          {"role": "user", "content": "Higher."}, {"role": "assistant", "content": "7"},
+          {"role": "user", "content": "Lower."}, {"role": "assistant", "content": "6"}]
+
+
 def make_data(split: str, seed: int) -> list[dict]:
     rng = random.Random(f"guess-{split}-{seed}")
-    phrasings = ["I am thinking of a number from 1 to 9. Guess it: answer with one number, and I will say "
-                 "higher or lower.", "Guess my number (1 to 9). Reply with a single number each turn."]
-    return [{"prompt": rng.choice(phrasings), "secret": rng.randint(1, 9)} for _ in range(200 if split == "train" else 64)]
+    rows = []
+    for _ in range(200 if split == "train" else 64):
+        ask = {"role": "user", "content": f"Right, it was 6. A new game. {rng.choice(PHRASINGS)}"}
+        rows.append({"prompt": [*WORKED, ask], "secret": rng.randint(1, 9)})
+    return rows
 
 
 TASK = Task(
