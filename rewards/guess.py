@@ -86,7 +86,7 @@ def make_data(split: str, seed: int) -> list[dict]:
     rng = random.Random(f"guess-{split}-{seed}")
     rows = []
     for _ in range(200 if split == "train" else 64):
-        ask = {"role": "user", "content": f"Right, it was 6. A new game. {rng.choice(PHRASINGS)}"}
+        ask = {"role": "user", "content": f"Right, it was {WORKED[-1]['content']}. A new game. {rng.choice(PHRASINGS)}"}
         rows.append({"prompt": [*WORKED, ask], "secret": rng.randint(1, 9)})
     return rows
 
