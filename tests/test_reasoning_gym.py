@@ -46,6 +46,20 @@ def test_worked_exchanges_and_the_system_prompt_are_options():
     assert prompt[0]["content"] == rg.utils.SYSTEM_PROMPTS["direct"] and prompt[2]["content"].startswith("<answer>")
 
 
+def test_partial_false_pays_only_full_credit():
+    """reasoning-gym's generic rule pays an answer that merely contains the right one; partial=False does not."""
+    rows = get_task(SMALL).make_data("train", 0)[:1]
+    right = rows[0]["answer"]
+    padded = [f"<answer>{right}</answer>", f"<answer>9{right}</answer>"]
+    values = {}
+    for spec in (SMALL, SMALL + ",partial=False"):
+        task = get_task(spec)
+        values[spec] = score(task.rewards, task.weights, [rows[0]["prompt"]] * 2, padded, [[]] * 2,
+                             rows * 2).values["rg_basic_arithmetic"]
+    assert values[SMALL] == [1.0, len(right) / (len(right) + 1)]
+    assert values[SMALL + ",partial=False"] == [1.0, 0.0]
+
+
 @pytest.mark.parametrize("spec, says", [
     ("rg:basic_arithmetc", "reasoning-gym has no generator 'basic_arithmetc'; did you mean basic_arithmetic"),
     ("rg:chain_sum:min_terms=0", "rg:chain_sum: reasoning-gym refused the options"),
@@ -53,6 +67,7 @@ def test_worked_exchanges_and_the_system_prompt_are_options():
     ("rg:chain_sum:min_terms", "options are key=value"),
     ("rg:chain_sum:size=0", "rg:chain_sum: size=0 must be a whole number, at least 1"),
     ("rg:chain_sum:seed=abc", "rg:chain_sum: seed='abc' must be a whole number"),
+    ("rg:chain_sum:partial=no", "rg:chain_sum: partial='no' must be True or False"),
 ])
 def test_bad_names_and_options_are_one_line(spec, says, tmp_path):
     result = CliRunner().invoke(app, ["train", "--task", spec, "--out", str(tmp_path / "run")])

@@ -12,7 +12,10 @@ direct, chain_of_draft, DeepSeekZero; each asks for the answer between <answer><
 `shots=N`, N worked exchanges (a question of the generator's and its answer in tags), then the generator's
 question. Two rewards: `rg_<name>`, the generator's `score_answer`
 on the last <answer> of the completion (0 without one), and `answer_format` (weight 0.2), one well-formed
-<answer> tag, which a small model needs to find before the task's own reward can say anything. The training
+<answer> tag, which a small model needs to find before the task's own reward can say anything. With
+`partial=False` the generator's score counts only when it is full: many generators keep reasoning-gym's generic
+rule, which pays len(right)/len(given) for any answer that contains the right one ("26" for 6 earns 0.5), and a
+small model climbs that by writing longer numbers, not by solving more. The training
 rows come from the run's seed (or `seed=`); the held-out rows from another seed, with any question that is also
 a training question left out, so no evaluation item was trained on.
 """
@@ -32,12 +35,14 @@ FORMAT_WEIGHT = 0.2
 
 
 def task_fields(name: str, size: int = DEFAULT_SIZE, seed: int | None = None, system_prompt: str = "default",
-                shots: int = 0, **options) -> dict:
+                shots: int = 0, partial: bool = True, **options) -> dict:
     """The fields of a minigrpo Task for reasoning-gym's generator `name` with its `options` (see the module;
     `minigrpo.tasks.get_task` makes the Task)."""
     for option, value, low in (("size", size, 1), ("shots", shots, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"rg:{name}: {option}={value!r} must be a whole number, at least {low}")
+    if not isinstance(partial, bool):
+        raise ValueError(f"rg:{name}: partial={partial!r} must be True or False")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise ValueError(f"rg:{name}: seed={seed!r} must be a whole number (or left out: the run's --seed)")
     rg = _library()
@@ -82,7 +87,8 @@ def task_fields(name: str, size: int = DEFAULT_SIZE, seed: int | None = None, sy
         out = []
         for completion, split, index, run_seed in zip(completions, rg_split, rg_index, rg_seed):
             data = dataset(split, run_seed)
-            out.append(float(data.score_answer(_answer(completion), data[index])))
+            given = float(data.score_answer(_answer(completion), data[index]))
+            out.append(given if partial else float(given >= 1.0))
         return out
 
     score.__name__ = f"rg_{name}"
