@@ -42,7 +42,6 @@ EASIER = ("chain_sum:min_terms=2,max_terms=2,min_digits=2,max_digits=2",
 
 def screen(items, prompts: int, max_new_tokens: int, out: Path) -> None:
     """items: (generator, its options, the prompt's label in PROMPTS), each measured once."""
-    from minigrpo import settle
     from minigrpo.evaluate import Evaluator
     from minigrpo.generate.hf import HFGenerator
     from minigrpo.model import load_trained, seed_everything
@@ -57,11 +56,12 @@ def screen(items, prompts: int, max_new_tokens: int, out: Path) -> None:
         start = time.perf_counter()
         try:
             task = get_task(spec)
-            result = Evaluator(cfg, task, task.weights, tokenizer, generator, None)(0, with_samples=False)
+            evaluator = Evaluator(cfg, task, task.weights, tokenizer, generator, None)
+            result = evaluator(0, with_samples=False)
         except Exception as error:  # a generator this version lacks or refuses: said, and the screen goes on
             print(f"{spec}: not measured: {error}", flush=True)
             continue
-        golds = [row["answer"] for row in settle.held_out_rows(cfg, task)]
+        golds = [row["answer"] for row in evaluator.rows]
         line = {"spec": spec, "generator": name, "prompt": label, "pass@1": result["pass@1"],
                 "pass@1/stderr": result["pass@1/stderr"], "greedy_reward/mean": result["greedy_reward/mean"],
                 # how far one answer to every row goes: the model's commonest, and the best there is
