@@ -60,6 +60,25 @@ def test_partial_false_pays_only_full_credit():
     assert values[SMALL + ",partial=False"] == [1.0, 0.0]
 
 
+def test_a_small_question_space_is_split_by_question():
+    """Two one-digit terms make some two hundred questions: a thousand training rows draw nearly all of them and
+    the held-out draw finds none left; held_out=0.3 holds out about 30% of the questions instead, each once, none
+    of them trained on or shown as a worked exchange, each scored against its own entry."""
+    one_digit = "rg:chain_sum:min_terms=2,max_terms=2,max_digits=1"
+    assert get_task(one_digit).make_data("test", 0) == []
+    task = get_task(one_digit + ",held_out=0.3,shots=2")
+    train, test = task.make_data("train", 0), task.make_data("test", 0)
+    question = lambda row: row["prompt"][-1]["content"]  # noqa: E731
+    trained, held = {question(r) for r in train}, [question(r) for r in test]
+    shown = {m["content"] for m in train[0]["prompt"][:-1] if m["role"] == "user"}
+    assert len(shown) == 2 and len(held) == len(set(held)) >= 50
+    assert not set(held) & (trained | shown) and 0.2 < len(held) / len(trained | set(held)) < 0.4
+    rows = [train[-1], test[-1]]
+    result = score(task.rewards, task.weights, [r["prompt"] for r in rows],
+                   [f"<answer>{r['answer']}</answer>" for r in rows], [[]] * 2, rows)
+    assert result.values["rg_chain_sum"] == [1.0, 1.0]
+
+
 @pytest.mark.parametrize("spec, says", [
     ("rg:basic_arithmetc", "reasoning-gym has no generator 'basic_arithmetc'; did you mean basic_arithmetic"),
     ("rg:chain_sum:min_terms=0", "rg:chain_sum: reasoning-gym refused the options"),
@@ -68,6 +87,7 @@ def test_partial_false_pays_only_full_credit():
     ("rg:chain_sum:size=0", "rg:chain_sum: size=0 must be a whole number, at least 1"),
     ("rg:chain_sum:seed=abc", "rg:chain_sum: seed='abc' must be a whole number"),
     ("rg:chain_sum:partial=no", "rg:chain_sum: partial='no' must be True or False"),
+    ("rg:chain_sum:held_out=1", "rg:chain_sum: held_out=1 must be a share of the questions, between 0 and 1"),
 ])
 def test_bad_names_and_options_are_one_line(spec, says, tmp_path):
     result = CliRunner().invoke(app, ["train", "--task", spec, "--out", str(tmp_path / "run")])

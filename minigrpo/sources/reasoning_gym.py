@@ -17,13 +17,17 @@ on the last <answer> of the completion (0 without one), and `answer_format` (wei
 rule, which pays len(right)/len(given) for any answer that contains the right one ("26" for 6 earns 0.5), and a
 small model climbs that by writing longer numbers, not by solving more. The training
 rows come from the run's seed (or `seed=`); the held-out rows from another seed, with any question that is also
-a training question left out, so no evaluation item was trained on.
+a training question left out, so no evaluation item was trained on. A generator with few distinct questions
+(one-digit sums: some two hundred) would give every one of them to a thousand training rows and leave none
+held out; `held_out=0.25` splits its questions instead: a quarter of them, chosen by a hash of the question,
+are never trained on (nor shown as worked exchanges) and are the held-out rows, each once.
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
+import hashlib
 
 from minigrpo.sources.spec import held_out_size, parse_spec
 
@@ -35,7 +39,7 @@ FORMAT_WEIGHT = 0.2
 
 
 def task_fields(name: str, size: int = DEFAULT_SIZE, seed: int | None = None, system_prompt: str = "default",
-                shots: int = 0, partial: bool = True, **options) -> dict:
+                shots: int = 0, partial: bool = True, held_out: float | None = None, **options) -> dict:
     """The fields of a minigrpo Task for reasoning-gym's generator `name` with its `options` (see the module;
     `minigrpo.tasks.get_task` makes the Task)."""
     for option, value, low in (("size", size, 1), ("shots", shots, 0)):
@@ -43,6 +47,9 @@ def task_fields(name: str, size: int = DEFAULT_SIZE, seed: int | None = None, sy
             raise ValueError(f"rg:{name}: {option}={value!r} must be a whole number, at least {low}")
     if not isinstance(partial, bool):
         raise ValueError(f"rg:{name}: partial={partial!r} must be True or False")
+    if held_out is not None and not (isinstance(held_out, float) and 0 < held_out < 1):
+        raise ValueError(f"rg:{name}: held_out={held_out!r} must be a share of the questions, between 0 and 1 "
+                         f"(0.25: a quarter of them held out)")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise ValueError(f"rg:{name}: seed={seed!r} must be a whole number (or left out: the run's --seed)")
     rg = _library()
@@ -56,11 +63,12 @@ def task_fields(name: str, size: int = DEFAULT_SIZE, seed: int | None = None, sy
     system = rg.utils.SYSTEM_PROMPTS[system_prompt]
     # worked exchanges before the question (few-shot), from a generator stream of their own: a small model
     # that ignores the answer tags when told follows them when shown
-    shown = [] if not shots else [
-        turn for entry in rg.create_dataset(name, size=shots, seed=SHOTS_SEED, **options)
-        for turn in ({"role": "user", "content": entry["question"]},
-                     {"role": "assistant", "content": f"<answer>{entry['answer']}</answer>"})]
+    examples = [] if not shots else list(rg.create_dataset(name, size=shots, seed=SHOTS_SEED, **options))
+    shown = [turn for entry in examples
+             for turn in ({"role": "user", "content": entry["question"]},
+                          {"role": "assistant", "content": f"<answer>{entry['answer']}</answer>"})]
     system = [{"role": "system", "content": system}, *shown]
+    in_held_out = functools.partial(held_out_question, share=held_out)
     try:
         rg.create_dataset(name, size=1, seed=0, **options)
     except Exception as error:  # its own config check: a wrong option name or value
@@ -71,12 +79,24 @@ def task_fields(name: str, size: int = DEFAULT_SIZE, seed: int | None = None, sy
         base = run_seed if seed is None else seed
         if split == "train":
             return rg.create_dataset(name, size=size, seed=base, **options)
+        if held_out is not None:  # as many draws as training has, of which the held-out share's questions stay
+            return rg.create_dataset(name, size=size, seed=base + HELD_OUT_SEED, **options)
         if not held_out_size(size):
             return []
         return rg.create_dataset(name, size=held_out_size(size), seed=base + HELD_OUT_SEED, **options)
 
     def make_data(split: str, run_seed: int) -> list[dict]:
         data = dataset(split, run_seed)
+        if held_out is not None:  # the question space split by hash: no held-out question is trained on or shown
+            if split == "train":
+                return [_row(entry, split, i, run_seed, system) for i, entry in enumerate(data)
+                        if not in_held_out(entry["question"])]
+            seen, rows = {entry["question"] for entry in examples}, []  # each question once, none shown
+            for i, entry in enumerate(data):
+                if in_held_out(entry["question"]) and entry["question"] not in seen:
+                    seen.add(entry["question"])
+                    rows.append(_row(entry, split, i, run_seed, system))
+            return rows
         rows = [_row(entry, split, i, run_seed, system) for i, entry in enumerate(data)]
         if split == "test":  # a question also drawn for training is not held out
             trained = {entry["question"] for entry in dataset("train", run_seed)}
@@ -98,6 +118,20 @@ def task_fields(name: str, size: int = DEFAULT_SIZE, seed: int | None = None, sy
     return dict(name=f"rg:{name}", description=f"reasoning-gym's {name} generator, scored by its score_answer",
                 make_data=make_data, rewards=[score, answer_format], weights=[1.0, FORMAT_WEIGHT], examples=[example],
                 answer=_answer)
+
+
+def held_out_question(question: str, share: float | None) -> bool:
+    """Whether `question` is in the held-out `share` of a generator's questions: by its hash, the same on every
+    machine and run, so a question is held out or trained on, never both.
+
+    >>> [held_out_question(f"What is 2 + {b}?", 0.25) for b in range(1, 5)]
+    [False, True, True, False]
+    >>> held_out_question("What is 2 + 3?", None)
+    False
+    """
+    if share is None:
+        return False
+    return int.from_bytes(hashlib.sha256(question.encode()).digest()[:8], "big") / 2**64 < share
 
 
 def fields_from_spec(spec: str) -> dict:
