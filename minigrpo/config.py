@@ -152,7 +152,8 @@ class TrainConfig:
     filter_groups: bool = False  # drop groups whose rewards are all equal, draw more prompts to refill
     max_filter_rounds: int = 3  # extra generation rounds per step at most, with filter_groups
     retire_solved: int = 0  # a prompt solved by every completion on this many visits in a row retires; 0 off
-    solved_reward: float = 1.0  # the total reward at which a completion counts as solved
+    # the total reward at which a completion counts as solved; None: the task's own (1.0; reasoning-gym's 1.2)
+    solved_reward: float | None = None
 
     # evaluation on the task's held-out split
     eval_before_after: bool = True  # a greedy held-out evaluation at step 0 and at the end (fast; on by default)

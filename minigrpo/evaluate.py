@@ -30,6 +30,7 @@ class Evaluator:
         self.cfg, self.task, self.weights = cfg, task, weights
         self.tokenizer, self.generator = tokenizer, generator
         self.rows = settle.held_out_rows(cfg, task)
+        self.solved = settle.solved_reward(cfg, task)
         if not self.rows:
             raise ValueError(f"task {task.name} has no held-out rows to evaluate on: {settle.HOW_TO_HOLD_OUT}")
         self.out = Path(out_dir) / "eval.jsonl" if out_dir else None
@@ -44,7 +45,7 @@ class Evaluator:
                                                  self.cfg.top_p)) if with_samples else (greedy, [])
         # per-prompt means first, so the standard error is over prompts, the independent unit
         per_prompt = [statistics.fmean(sampled[i * n:(i + 1) * n]) for i in range(len(self.rows))]
-        solved = [float(t >= self.cfg.solved_reward) for t in greedy]
+        solved = [float(t >= self.solved) for t in greedy]
         result = {
             "step": step, "prompts": len(self.rows), "samples_per_prompt": n if with_samples else 0,
             "pass@1": statistics.fmean(solved), "pass@1/stderr": stderr(solved),
@@ -54,7 +55,7 @@ class Evaluator:
         if given:  # a model that gives every prompt one answer scores that answer's share of the rows, not a skill
             result["greedy/top_answer_share"] = top_answer_share(given)
         if with_samples:
-            result.update(sampled_metrics(sampled, answers, n, self.cfg.solved_reward))
+            result.update(sampled_metrics(sampled, answers, n, self.solved))
         if self.out:
             with open(self.out, "a") as f:
                 f.write(json.dumps(result) + "\n")

@@ -15,6 +15,7 @@ from minigrpo.config import TrainConfig
 from minigrpo.generate import Generator, Sampling
 from minigrpo.scoring import (NESTED, PER_COMPLETION, PER_PROMPT, SUMMED, Scores, along, join_batches, pick_groups,
                               score, trainer_state)
+from minigrpo.settle import solved_reward
 from minigrpo.tasks import Task
 
 
@@ -136,7 +137,7 @@ def collect(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, weigh
     done = step - 1  # optimizer steps taken, as TRL's state counts them while the step's rewards run
     state = trainer_state(done, cfg.steps, done * cfg.prompts_per_step / len(prompts.rows))
     batch = rollout(cfg, tokenizer, generator, task, weights, prompts.draw(cfg.prompts_per_step), state)
-    prompts.record(batch.rows, batch.scores.totals, G, cfg.solved_reward)
+    prompts.record(batch.rows, batch.scores.totals, G, solved_reward(cfg, task))
     spread = L.groups_with_spread(torch.tensor(batch.scores.totals), G, cfg.advantage).tolist()
     info = {"frac_groups_reward_differs": float(np.mean(spread)), "filter/extra_rounds": 0,
             "tokens_generated": generated_tokens(batch),
@@ -149,7 +150,7 @@ def collect(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, weigh
     while len(kept.rows) < cfg.prompts_per_step and info["filter/extra_rounds"] < cfg.max_filter_rounds:
         info["filter/extra_rounds"] += 1
         more = rollout(cfg, tokenizer, generator, task, weights, prompts.draw(cfg.prompts_per_step), state)
-        prompts.record(more.rows, more.scores.totals, G, cfg.solved_reward)
+        prompts.record(more.rows, more.scores.totals, G, solved_reward(cfg, task))
         info["tokens_generated"] += generated_tokens(more)
         info["generate_s"] += more.generate_s
         info["reward_s"] += more.reward_s

@@ -38,6 +38,11 @@ def overridden(cfg: TrainConfig, **values) -> TrainConfig:
     return dataclasses.replace(cfg, **{k: v for k, v in values.items() if v is not None})
 
 
+def solved_reward(cfg: TrainConfig, task: Task) -> float:
+    """The total reward at which a completion counts as solved: the config's solved_reward if set, else the task's."""
+    return task.solved_reward if cfg.solved_reward is None else cfg.solved_reward
+
+
 def episode_budget(cfg: TrainConfig, task: Task) -> TrainConfig:
     """Where the task's completions are episodes, an unset --max-episode-tokens becomes max-turns x
     max-new-tokens (recorded in the run's config.json)."""

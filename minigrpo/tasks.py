@@ -49,6 +49,9 @@ class Task:
     # a completion's final answer as a string (None: it gave none), for majority votes in evaluation (maj@k)
     answer: Callable | None = None
     environment_prompts: bool = False  # no data: each group's prompt is what its environment's reset() says
+    # the total reward of a solved completion (pass@k, retire_solved), where a part of the reward is partial credit
+    # or a bonus that could lift an unsolved one to 1.0
+    solved_reward: float = 1.0
 
     @property
     def reward_names(self) -> list[str]:

@@ -7,7 +7,9 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
+from minigrpo import settle
 from minigrpo.cli.app import app
+from minigrpo.config import TrainConfig
 from minigrpo.scoring import score
 from minigrpo.tasks import get_task
 
@@ -58,6 +60,19 @@ def test_partial_false_pays_only_full_credit():
                              rows * 2).values["rg_basic_arithmetic"]
     assert values[SMALL] == [1.0, len(right) / (len(right) + 1)]
     assert values[SMALL + ",partial=False"] == [1.0, 0.0]
+
+
+def test_partial_credit_with_the_format_is_not_solved():
+    """A four-digit answer inside five is paid 0.8, and with the format's 0.2 totals 1.0: counted as solved under a
+    threshold of 1.0, it would lift pass@1; an rg task's own threshold is its full score with the format."""
+    task = get_task(SMALL)
+    row = next(r for r in task.make_data("train", 0) if len(r["answer"]) == 4)
+    completions = [f"<answer>{row['answer']}</answer>", f"<answer>{row['answer']}0</answer>"]
+    totals = score(task.rewards, task.weights, [row["prompt"]] * 2, completions, [[]] * 2, [row] * 2).totals
+    assert totals[1] == pytest.approx(1.0)
+    solved = settle.solved_reward(TrainConfig(task=SMALL), task)
+    assert [t >= solved for t in totals] == [True, False]
+    assert settle.solved_reward(TrainConfig(task=SMALL, solved_reward=0.5), task) == 0.5  # the run's own, where set
 
 
 def test_a_small_question_space_is_split_by_question():

@@ -117,6 +117,9 @@ def task_fields(name: str, size: int = DEFAULT_SIZE, seed: int | None = None, sy
                    expected=1.0 + FORMAT_WEIGHT)
     return dict(name=f"rg:{name}", description=f"reasoning-gym's {name} generator, scored by its score_answer",
                 make_data=make_data, rewards=[score, answer_format], weights=[1.0, FORMAT_WEIGHT], examples=[example],
+                # solved: the generator's full score with the format; partial credit of 0.8 (a four-digit
+                # answer inside five) plus the format's 0.2 is not
+                solved_reward=1.0 + FORMAT_WEIGHT,
                 answer=_answer)
 
 
