@@ -42,16 +42,7 @@ def task_fields(name: str, size: int = DEFAULT_SIZE, seed: int | None = None, sy
                 shots: int = 0, partial: bool = True, held_out: float | None = None, **options) -> dict:
     """The fields of a minigrpo Task for reasoning-gym's generator `name` with its `options` (see the module;
     `minigrpo.tasks.get_task` makes the Task)."""
-    for option, value, low in (("size", size, 1), ("shots", shots, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"rg:{name}: {option}={value!r} must be a whole number, at least {low}")
-    if not isinstance(partial, bool):
-        raise ValueError(f"rg:{name}: partial={partial!r} must be True or False")
-    if held_out is not None and not (isinstance(held_out, float) and 0 < held_out < 1):
-        raise ValueError(f"rg:{name}: held_out={held_out!r} must be a share of the questions, between 0 and 1 "
-                         f"(0.25: a quarter of them held out)")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise ValueError(f"rg:{name}: seed={seed!r} must be a whole number (or left out: the run's --seed)")
+    _check_our_options(name, size, seed, shots, partial, held_out)
     rg = _library()
     if name not in rg.factory.DATASETS:
         close = difflib.get_close_matches(name, list(rg.factory.DATASETS), n=3)
@@ -121,6 +112,20 @@ def task_fields(name: str, size: int = DEFAULT_SIZE, seed: int | None = None, sy
                 # answer inside five) plus the format's 0.2 is not
                 solved_reward=1.0 + FORMAT_WEIGHT,
                 answer=_answer)
+
+
+def _check_our_options(name: str, size, seed, shots, partial, held_out) -> None:
+    """The options minigrpo adds to the generator's own, each refused in one line naming the fix."""
+    for option, value, low in (("size", size, 1), ("shots", shots, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"rg:{name}: {option}={value!r} must be a whole number, at least {low}")
+    if not isinstance(partial, bool):
+        raise ValueError(f"rg:{name}: partial={partial!r} must be True or False")
+    if held_out is not None and not (isinstance(held_out, float) and 0 < held_out < 1):
+        raise ValueError(f"rg:{name}: held_out={held_out!r} must be a share of the questions, between 0 and 1 "
+                         f"(0.25: a quarter of them held out)")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise ValueError(f"rg:{name}: seed={seed!r} must be a whole number (or left out: the run's --seed)")
 
 
 def held_out_question(question: str, share: float | None) -> bool:
