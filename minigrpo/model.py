@@ -1,4 +1,4 @@
-"""The policy: a 4-bit (or 16-bit) base with LoRA adapters, and memory-lean per-token log-probs.
+"""The policy: a 4-bit (or 16-bit) base with LoRA adapters (its per-token log-probs: `minigrpo.logprobs`).
 
 The reference model is the same object with its adapters disabled (`with model.disable_adapter():`), or
 with `--reference-adapter`, holding that adapter's weights for the reference pass (`minigrpo.adapters`), so
@@ -7,23 +7,19 @@ a run holds one copy of the base, never two.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
 import random
 import warnings
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from minigrpo import settle
 from minigrpo.config import PRESETS, TrainConfig
 from minigrpo.console import quiet_libraries
-from minigrpo.generate.sampling import kept_logmass
 from minigrpo.weights import offline_copy, resolve_weights
 
 
@@ -163,97 +159,6 @@ def _has_module(model, suffix: str) -> bool:
 
 def lora_parameters(model) -> list[torch.nn.Parameter]:
     return [p for n, p in model.named_parameters() if p.requires_grad and "lora_" in n]
-
-
-class TokenStats(NamedTuple):
-    logps: torch.Tensor  # [B, T] log-probs of the completion tokens over the whole vocabulary
-    entropy: torch.Tensor  # [B, T] the policy's entropy at each position (zeros unless asked for)
-    kept: torch.Tensor  # [B, T] log of the mass top-p sampling keeps there (zeros at top_p 1): sampling.kept_logmass
-
-
-def token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
-                temperature: float = 1.0, chunk_size: int = 512, *, with_entropy: bool = False,
-                entropy_grad: bool = False, top_p: float = 1.0) -> TokenStats:
-    """Log-probs of the last `n_completion` tokens of each row, under `model`, at `temperature`; with
-    `with_entropy`, the policy's entropy at each of those positions (detached, unless `entropy_grad`, for a loss
-    with an entropy bonus); with `top_p` < 1, the log of the mass a top-p sampler keeps there (no gradient), to put
-    a sampler's nucleus log-probs on this side's footing.
-
-    The full-vocabulary logits are never held for the whole batch: the completion positions of all rows
-    go through the lm head `chunk_size` tokens at a time, and each chunk is checkpointed, so backward
-    recomputes its logits instead of keeping them. The extra memory is one chunk's logits, whatever the
-    number of rows and the length.
-    """
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    hidden = inner.model(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=positions(attention_mask)).last_hidden_state  # [B, L, H]
-    B = input_ids.shape[0]
-    hidden = hidden[:, -n_completion - 1:-1].reshape(B * n_completion, -1)  # [B*T, H]: t predicts token t
-    targets = input_ids[:, -n_completion:].reshape(-1)  # [B*T]
-    head = inner.get_output_embeddings()
-    parts = []
-    for start in range(0, B * n_completion, chunk_size):
-        h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]  # [c, H], [c]
-        if torch.is_grad_enabled():
-            parts.append(checkpoint(_chunk_logprobs, head, h, t, temperature, with_entropy, entropy_grad, top_p,
-                                    use_reentrant=False))
-        else:
-            parts.append(_chunk_logprobs(head, h, t, temperature, with_entropy, top_p=top_p))
-    return TokenStats(*(torch.cat(column).view(B, n_completion) for column in zip(*parts)))  # [B, T] each
-
-
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
-                   temperature: float = 1.0, chunk_size: int = 512, with_entropy: bool = False,
-                   entropy_grad: bool = False):
-    """`token_stats`'s log-probs [B, T] (with `with_entropy`, and its entropies: a pair)."""
-    stats = token_stats(model, input_ids, attention_mask, n_completion, temperature, chunk_size,
-                        with_entropy=with_entropy, entropy_grad=entropy_grad)
-    return (stats.logps, stats.entropy) if with_entropy else stats.logps
-
-
-def pad_batch(rows: list[tuple[list[int], list[int]]], pad_id: int, device) -> tuple[torch.Tensor, ...]:
-    """Prompts padded on the left and completions on the right, so all completions start at one column.
-
-    Returns input ids [b, Lp + T], attention mask [b, Lp + T], and the completion mask [b, T]."""
-    width_p = max(len(p) for p, _ in rows)
-    width_c = max(len(c) for _, c in rows)
-    ids, attention, mask = [], [], []
-    for p, c in rows:
-        left, right = width_p - len(p), width_c - len(c)
-        ids.append([pad_id] * left + p + c + [pad_id] * right)
-        attention.append([0] * left + [1] * (len(p) + len(c)) + [0] * right)
-        mask.append([1] * len(c) + [0] * right)
-    as_tensor = lambda x: torch.tensor(x, device=device)  # noqa: E731
-    return as_tensor(ids), as_tensor(attention), as_tensor(mask).bool()
-
-
-def positions(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Position ids that skip left padding, as `generate` assigns them."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
-
-
-def _chunk_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool,
-                    entropy_grad: bool = False, top_p: float = 1.0):
-    logits = head(hidden).float() / temperature  # [c, V]
-    normalizer = torch.logsumexp(logits, dim=-1)  # [c]
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normalizer  # [c]
-    entropy = torch.zeros_like(logp)  # [c]
-    if with_entropy:
-        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
-            probs = torch.softmax(logits, dim=-1)  # [c, V]
-            entropy = normalizer - (probs * logits).sum(-1)  # [c]: H = logsumexp - E_p[logit]
-    with torch.no_grad():
-        kept = kept_logmass(logits, targets, top_p)  # [c]
-    return logp, entropy, kept
-
-
-def full_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
-                  temperature: float = 1.0) -> torch.Tensor:
-    """The naive reference: one log-softmax over all logits. For tests and the memory benchmark."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=positions(attention_mask)).logits.float() / temperature  # [B, L, V]
-    logps = F.log_softmax(logits[:, -n_completion - 1:-1], dim=-1)  # [B, T, V]
-    return logps.gather(-1, input_ids[:, -n_completion:].unsqueeze(-1)).squeeze(-1)  # [B, T]
 
 
 def cache_keyword(model) -> str:

@@ -92,7 +92,8 @@ def sized_for(cfg: TrainConfig, examples: list[Example], data: Path) -> tuple[To
 
 def sft(cfg: TrainConfig, data: Path, out: Path, epochs: int = 3, say=print) -> Path:
     """Train the adapter on `data` for `epochs` passes; write it to out/adapter and the record to out/sft.json."""
-    from minigrpo.model import default_dtype, lora_parameters, pad_batch, seed_everything, token_logprobs
+    from minigrpo.model import default_dtype, lora_parameters, seed_everything
+    from minigrpo.logprobs import pad_batch, token_logprobs
     from minigrpo.run import usable_or_fail
     from minigrpo.startup import load_for_training
 

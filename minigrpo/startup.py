@@ -20,7 +20,8 @@ from minigrpo.config import TrainConfig
 from minigrpo.generate import Generator, Sampling
 from minigrpo.generate.hf import HFGenerator
 from minigrpo.hardware import Gpu, allocator_problem, compute_dtype, this_gpu, versions, vllm_available
-from minigrpo.model import load_policy, load_tokenizer, pad_batch, token_logprobs
+from minigrpo.model import load_policy, load_tokenizer
+from minigrpo.logprobs import pad_batch, token_logprobs
 from minigrpo.weights import resolve_weights
 from minigrpo.plan import Plan, Settings, make_plan
 from minigrpo.rollout import render_prompt

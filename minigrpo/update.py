@@ -1,4 +1,4 @@
-"""The policy update of one step: the completions as padded micro-batches, the log-probs held fixed (the
+"""The policy update of one step: the completions as micro-batches of similar lengths, the log-probs held fixed (the
 sampling-time policy across several passes, the reference for the KL), then the clipped loss, backward and
 the optimizer, pass by pass. One micro-batch's activations at a time: memory does not grow with the batch.
 """
@@ -14,13 +14,13 @@ import torch
 from minigrpo import loss as L
 from minigrpo.config import TrainConfig
 from minigrpo.adapters import adapter_swapped
-from minigrpo.model import pad_batch, token_logprobs, token_stats
+from minigrpo.logprobs import pad_batch, token_logprobs, token_stats
 from minigrpo.rollout import Groups
 
 
 @dataclass
 class MicroBatches:
-    chunks: list[slice]  # which completions each micro-batch holds
+    chunks: list[torch.Tensor]  # which completions each micro-batch holds (indices into the batch)
     inputs: list[tuple]  # per micro-batch: (ids [b, L], attention [b, L], completion mask [b, n])
     masks: list[torch.Tensor]  # per micro-batch [b, n]: the tokens that count
     full_mask: torch.Tensor  # [B, T]
@@ -38,8 +38,10 @@ def micro_batches(cfg: TrainConfig, batch: Groups, pad_id: int, device) -> Micro
     if batch.model_masks is not None:  # tool results and environment text: context only, never trained on
         full_mask &= padded(batch.model_masks, full_mask.shape).bool()  # [B, T]
     sampler = padded(batch.sampler_logps, full_mask.shape) if batch.sampler_logps is not None else None  # [B, T]
-    chunks = [slice(s, s + cfg.micro_batch_size) for s in range(0, len(pairs), cfg.micro_batch_size)]
-    inputs = [pad_batch(pairs[c], pad_id, device) for c in chunks]
+    # micro-batches of similar lengths, so a short completion is not padded to the step's longest
+    by_length = torch.tensor(sorted(range(len(pairs)), key=lambda i: (len(pairs[i][0]) + len(pairs[i][1]), i)))
+    chunks = list(by_length.split(cfg.micro_batch_size))
+    inputs = [pad_batch([pairs[i] for i in c], pad_id, device) for c in chunks]
     masks = [full_mask[c, :m.shape[1]].to(device) & m for c, (_, _, m) in zip(chunks, inputs)]
     return MicroBatches(chunks, inputs, masks, full_mask, lengths, sampler)
 
@@ -48,7 +50,7 @@ def fixed_logps(cfg: TrainConfig, model, mb: MicroBatches, reference: bool) -> l
     """Per micro-batch [b, n], without gradients: the current policy's, or the reference's (adapters off, or
     the --reference-adapter's weights in their place)."""
     def all_logps():
-        return [token_logprobs(model, ids, att, m.shape[1], cfg.temperature, cfg.logprob_chunk_size)
+        return [token_logprobs(model, ids, att, m.shape[1], cfg.temperature, cfg.logprob_chunk_size, mask=m)
                 for ids, att, m in mb.inputs]
 
     with torch.no_grad():
@@ -92,13 +94,13 @@ def policy_update(cfg: TrainConfig, model, mb: MicroBatches, advantages: torch.T
     for iteration in range(cfg.num_iterations):
         last = iteration == cfg.num_iterations - 1
         pass_loss = 0.0
-        for k, (c, (ids, attention, _), mask, old, ref) in enumerate(
+        for k, (c, (ids, attention, real), mask, old, ref) in enumerate(
                 zip(mb.chunks, mb.inputs, mb.masks, old_logps, ref_logps)):
             n = mask.shape[1]
             top_p = cfg.top_p if mb.sampler is not None and iteration == 0 else 1.0
             logps, entropy, kept = token_stats(model, ids, attention, n, cfg.temperature, cfg.logprob_chunk_size,
                                                with_entropy=True, entropy_grad=entropy_coef > 0,
-                                               top_p=top_p)  # [b, n] each
+                                               top_p=top_p, mask=real)  # [b, n] each
             old = logps.detach() if old is None else old
             if mb.sampler is not None and iteration == 0:
                 on_trainer_footing[k] = mb.sampler[c, :n].to(logps.device) + kept  # [b, n]

@@ -7,7 +7,8 @@ import torch
 
 from minigrpo import loss as L
 from minigrpo.config import TrainConfig
-from minigrpo.model import load_policy, load_tokenizer, lora_parameters, token_logprobs
+from minigrpo.model import load_policy, load_tokenizer, lora_parameters
+from minigrpo.logprobs import token_logprobs
 from minigrpo.rollout import Groups
 from minigrpo.scoring import Scores
 from minigrpo.update import micro_batches

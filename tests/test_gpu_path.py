@@ -311,7 +311,7 @@ def test_transformers_samples_exactly_from_the_policy(tiny_model_path, policy):
     so its own log-probs of what it sampled equal the trainer's. Without that, they differ (the control)."""
     from minigrpo.generate import Sampling
     from minigrpo.generate.hf import HFGenerator
-    from minigrpo.model import pad_batch, token_logprobs
+    from minigrpo.logprobs import pad_batch, token_logprobs
     from minigrpo.rollout import render_prompt
 
     tokenizer = _tokenizer(tiny_model_path)

@@ -9,7 +9,8 @@ from minigrpo.bench.decode import _counts, depth_only
 from minigrpo.config import TrainConfig
 from minigrpo.generate import Sampling
 from minigrpo.generate.hf import HFGenerator, decode
-from minigrpo.model import lora_parameters, load_policy, pad_batch, token_logprobs
+from minigrpo.model import lora_parameters, load_policy
+from minigrpo.logprobs import pad_batch, token_logprobs
 from minigrpo.generate.static import CHECK_EVERY, StaticDecoder
 
 

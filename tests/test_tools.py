@@ -9,9 +9,9 @@ from typer.testing import CliRunner
 
 from minigrpo import TrainConfig, train
 from minigrpo.cli.app import app
-from minigrpo.model import load_trained, token_logprobs
+from minigrpo.model import load_trained
+from minigrpo.logprobs import pad_batch, token_logprobs
 from minigrpo.rollout import render_prompt
-from minigrpo.model import pad_batch
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ pytest.importorskip("vllm")
 
 from minigrpo.config import TrainConfig  # noqa: E402
 from minigrpo.generate.hf import Sampling  # noqa: E402
-from minigrpo.model import load_policy, load_tokenizer, token_logprobs  # noqa: E402
+from minigrpo.model import load_policy, load_tokenizer  # noqa: E402
+from minigrpo.logprobs import pad_batch, token_logprobs  # noqa: E402
 from minigrpo.rollout import render_prompt  # noqa: E402
-from minigrpo.model import pad_batch  # noqa: E402
 from minigrpo.generate.vllm_engine import VLLMGenerator  # noqa: E402
 
 TOL = 2e-3  # mean |engine - trainer| log-prob per token; fp32 on both sides, same dequantized base
@@ -90,7 +90,7 @@ def test_at_top_p_the_engines_logprobs_on_the_trainers_footing_are_the_trainers(
     """vLLM's processed log-probs are renormalised over its nucleus; the trainer's kept mass (`sampling.
     kept_logmass`) puts them back on the whole vocabulary, where they match the trainer's: the importance weights'
     footing at top-p < 1. Without it, every token reads the nucleus mass."""
-    from minigrpo.model import token_stats
+    from minigrpo.logprobs import token_stats
 
     policy, tokenizer, engine = setup
     prompt = tokenizer(render_prompt(tokenizer, "Tell me about the sea."), add_special_tokens=False).input_ids

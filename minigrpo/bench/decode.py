@@ -166,7 +166,8 @@ def decode_agreement(policy, rows: int = 8, new_tokens: int = 24,
     per token on average; and both again after an optimizer step and the adapter's refresh. Returns (check, passed,
     figures) for each."""
     from minigrpo.generate.hf import HFGenerator, decode
-    from minigrpo.model import lora_parameters, pad_batch, token_logprobs
+    from minigrpo.model import lora_parameters
+    from minigrpo.logprobs import pad_batch, token_logprobs
 
     prompts = [list(range(10 + 7 * i, 40 + 5 * i)) for i in range(max(1, rows // 2))]  # left-padded widths
     generator = HFGenerator(policy, _Pad(), report_logprobs=True, decoder="static")

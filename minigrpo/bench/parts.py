@@ -72,7 +72,8 @@ def _memory_child(path: str, rows: int, length: int, out: str) -> None:
     import torch
 
     from minigrpo import loss as L
-    from minigrpo.model import full_logprobs, load_policy, load_tokenizer, token_logprobs
+    from minigrpo.model import load_policy, load_tokenizer
+    from minigrpo.logprobs import full_logprobs, token_logprobs
     from minigrpo.weights import resolve_weights
 
     cfg = TrainConfig(load_in_4bit=torch.cuda.is_available())

@@ -127,7 +127,8 @@ def check_training(folder: Path, dtype: torch.dtype, load_in_4bit: bool, bf16_ba
     """Forward and backward through the real policy (4-bit base + LoRA on this device; or a float32 one with
     bf16 projections, a cpu's default). Returns the check, the policy and its tokenizer."""
     from minigrpo.config import TrainConfig
-    from minigrpo.model import load_policy, load_tokenizer, lora_parameters, token_logprobs
+    from minigrpo.model import load_policy, load_tokenizer, lora_parameters
+    from minigrpo.logprobs import token_logprobs
 
     start = time.perf_counter()
     cfg = TrainConfig(model=str(folder), lora_rank=8, load_in_4bit=load_in_4bit, gradient_checkpointing=True,
@@ -151,7 +152,8 @@ def check_training(folder: Path, dtype: torch.dtype, load_in_4bit: bool, bf16_ba
 def check_engine(policy, tokenizer, dtype: torch.dtype, on_gpu: bool) -> list[Check]:
     """A tiny vLLM engine beside the policy: start, in-place adapter write, trainer/engine gap, sleep/wake."""
     from minigrpo.generate import Sampling
-    from minigrpo.model import lora_parameters, pad_batch, token_logprobs
+    from minigrpo.model import lora_parameters
+    from minigrpo.logprobs import pad_batch, token_logprobs
     from minigrpo.rollout import render_prompt
     from minigrpo.generate.vllm_engine import VLLMGenerator
 
