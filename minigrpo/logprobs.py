@@ -57,7 +57,7 @@ def token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_
                                     use_reentrant=False))
         else:
             parts.append(_chunk_logprobs(head, h, t, temperature, with_entropy, top_p=top_p))
-    columns = [torch.cat(c) for c in zip(*parts)] if parts else [hidden.new_zeros(0, dtype=torch.float32)] * 3
+    columns = [torch.cat(column) for column in zip(*parts)]  # [N] each: logps, entropies, kept mass
     if where is not None:  # back to every position, 0 where the mask is off
         columns = [c.new_zeros(B * n_completion).index_put((where,), c) for c in columns]  # [B*T] each
     return TokenStats(*(c.view(B, n_completion) for c in columns))  # [B, T] each

@@ -31,6 +31,15 @@ def test_the_sampler_draws_from_the_tempered_nucleus():
     assert token.tolist() == [0, 0] and torch.allclose(logp, torch.tensor(0.5).log())
 
 
+def test_a_uniform_draw_at_zero_still_draws_from_the_nucleus(monkeypatch):
+    """The race's exponentials are -log U; U = 0 (one draw in 2^24) must not make a kept token's score the 0 of
+    the masked ones, or a one-token nucleus would draw any token."""
+    monkeypatch.setattr(torch, "rand_like", lambda x, **kw: torch.zeros_like(x))
+    logits = torch.tensor([[0.1, 0.7, 0.2]]).log()  # [1, 3]
+    token, logp = sample(logits, Sampling(1, 1, temperature=1.0, top_p=0.5))  # the nucleus: token 1 alone
+    assert token.item() == 1 and logp.item() == 0.0
+
+
 @pytest.fixture(scope="module")
 def model_and_prompts(tiny_model_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)

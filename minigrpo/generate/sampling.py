@@ -50,7 +50,9 @@ def sample(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torc
     if sampling.top_p < 1.0:
         logits = logits.masked_fill(nucleus(logits, sampling.top_p), float("-inf"))  # [b, V]
     logp = logits.log_softmax(-1)  # [b, V]
-    race = torch.rand_like(logp).log_().neg_()  # [b, V]: Exponential(1), in (0, inf] as U lies in [0, 1)
+    # [b, V]: Exponential(1). U is never 0 (a kept token's score would be 0, a masked one's, and a one-token
+    # nucleus's draw then any token) and below 1, so E is finite and above 0
+    race = torch.rand_like(logp).clamp_(min=torch.finfo(logp.dtype).tiny).log_().neg_()
     token = (logp.exp() / race).argmax(-1)  # [b]: a masked token's score is exactly 0, a kept one's above 0
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
