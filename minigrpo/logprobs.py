@@ -78,7 +78,8 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 class HeadLogprobs(torch.autograd.Function):
     """A frozen lm head's log-prob of each target, the entropy and top-p's kept mass at each row of `hidden`,
-    with one [c, V] buffer alive in backward (the module's docstring says why). Gradients reach `hidden` only.
+    with one [c, V] buffer alive in backward, two for the entropy's gradient (the module's docstring says why).
+    Gradients reach `hidden` only.
 
     d log p_t / d z = onehot(t) - p, and d H / d z = -p * (log p + H), for the tempered logits z."""
 
@@ -101,12 +102,12 @@ class HeadLogprobs(torch.autograd.Function):
     def backward(ctx, d_logp, d_entropy, _):
         hidden, weight, bias, targets, normalizer, entropy = ctx.saved_tensors
         logq = _logits(hidden, weight, bias, ctx.temperature).sub_(normalizer[:, None])  # [c, V]
-        grad = logq.exp()  # [c, V]: p
-        if ctx.entropy_grad:
+        if ctx.entropy_grad:  # a second buffer: dH/dz needs log p beside p
+            grad = logq.exp()  # [c, V]: p
             logq.add_(entropy[:, None]).mul_(grad).mul_(-d_entropy[:, None])  # [c, V]: d_entropy * dH/dz
             grad.mul_(-d_logp[:, None]).add_(logq)  # [c, V]
         else:
-            grad.mul_(-d_logp[:, None])  # [c, V]
+            grad = logq.exp_().mul_(-d_logp[:, None])  # [c, V]: -d_logp * p, in the same buffer
         grad.scatter_add_(-1, targets[:, None], d_logp[:, None])  # [c, V]: the target's onehot
         grad.div_(ctx.temperature)  # through z = logits / temperature
         d_hidden = grad.to(weight.dtype) @ weight  # [c, H]
