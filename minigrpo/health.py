@@ -96,7 +96,9 @@ def out_of_memory_advice(cfg: TrainConfig) -> str:
     return (f"[bold red]out of memory[/] ({used}). Lower one of: --num-generations (now {cfg.num_generations}), "
             f"--max-new-tokens (now {cfg.max_new_tokens}), --micro-batch-size (now {cfg.micro_batch_size}), "
             f"--prompts-per-step (now {cfg.prompts_per_step})"
+            + (f", --eval-prompts (now {cfg.eval_prompts}: held-out prompts decoded at once)"
+               if cfg.eval_every or cfg.eval_before_after else "")
             + (f", or the engine's --gpu-memory-utilization (now {cfg.gpu_memory_utilization})"
                if cfg.generator != "hf" else "") + ". The last completed step is saved; resume with --resume. "
-            + (f"`minigrpo bench model --model {cfg.model}` measures which settings fit." if cfg.model in PRESETS
-               else ""))
+            + (f"`minigrpo plan --model {cfg.model}` says which settings fit, `minigrpo bench model --model "
+               f"{cfg.model}` measures them." if cfg.model in PRESETS else ""))

@@ -38,9 +38,9 @@ def token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     hidden = inner.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=positions(attention_mask)).last_hidden_state  # [B, L, H]
-    B = input_ids.shape[0]
-    hidden = hidden[:, -n_completion - 1:-1].reshape(B * n_completion, -1)  # [B*T, H]: t predicts token t
-    targets = input_ids[:, -n_completion:].reshape(-1)  # [B*T]
+    B, L = input_ids.shape
+    hidden = hidden[:, L - n_completion - 1:L - 1].reshape(B * n_completion, -1)  # [B*T, H]: t predicts token t
+    targets = input_ids[:, L - n_completion:].reshape(-1)  # [B*T]
     where = None if mask is None else mask.reshape(-1).nonzero().squeeze(-1)  # [N] the positions computed
     if where is not None:
         hidden, targets = hidden[where], targets[where]  # [N, H], [N]
@@ -58,6 +58,9 @@ def token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_
         else:
             parts.append(_chunk_logprobs(head, h, t, temperature, with_entropy, top_p=top_p))
     columns = [torch.cat(column) for column in zip(*parts)]  # [N] each: logps, entropies, kept mass
+    if not parts:  # nothing to score (every completion empty): zeros, still in the graph, so backward runs
+        nothing = hidden[:, :1].sum(-1).float()  # [0]
+        columns = [nothing, nothing.detach(), nothing.detach()]
     if where is not None:  # back to every position, 0 where the mask is off
         columns = [c.new_zeros(B * n_completion).index_put((where,), c) for c in columns]  # [B*T] each
     return TokenStats(*(c.view(B, n_completion) for c in columns))  # [B, T] each
@@ -86,8 +89,8 @@ class HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, with_entropy, entropy_grad, top_p):
         logits = _logits(hidden, weight, bias, temperature)  # [c, V]
-        kept = kept_logmass(logits, targets, top_p)  # [c]
         normalizer = torch.logsumexp(logits, dim=-1)  # [c]
+        kept = kept_logmass(logits, targets, top_p, normalizer)  # [c]
         logq = logits.sub_(normalizer[:, None])  # [c, V]: log-probs, in place
         logp = logq.gather(-1, targets[:, None]).squeeze(-1)  # [c]
         entropy = -(logq.exp() * logq).sum(-1) if with_entropy else torch.zeros_like(logp)  # [c]
@@ -126,7 +129,7 @@ def _chunk_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperatu
             probs = torch.softmax(logits, dim=-1)  # [c, V]
             entropy = normalizer - (probs * logits).sum(-1)  # [c]: H = logsumexp - E_p[logit]
     with torch.no_grad():
-        kept = kept_logmass(logits, targets, top_p)  # [c]
+        kept = kept_logmass(logits, targets, top_p, normalizer)  # [c]
     return logp, entropy, kept
 
 

@@ -122,10 +122,16 @@ def attention(gpu: bool, micro_batch: int, heads: int, longest: int) -> str:
 def load_policy(cfg: TrainConfig, weights: str, dtype: torch.dtype | None = None):
     """The base model (nf4 or 16-bit) with fresh LoRA adapters on every block projection."""
     quiet_libraries()  # before peft, which imports bitsandbytes
-    from peft import LoraConfig, get_peft_model
-
     base = load_base(weights, cfg.load_in_4bit, dtype or default_dtype(cfg.dtype),
                      cfg.max_prompt_tokens + cfg.completion_tokens, cfg.micro_batch_size, cfg.bf16_base)
+    return wrap_policy(base, cfg)
+
+
+def wrap_policy(base, cfg: TrainConfig):
+    """A loaded base made the policy: checkpointing as configured, fresh LoRA adapters on every block
+    projection (or the --init-adapter's), and the --reference-adapter held beside them."""
+    from peft import LoraConfig, get_peft_model
+
     base.config.use_cache = False  # training forward passes never reuse a kv cache
     for module in base.modules():
         # on cpus with avx512-bf16, bitsandbytes repacks a 4-bit weight for inference the first time it

@@ -2,7 +2,7 @@
 
 One GPU holds, at once:
 - the trainer: the base (4-bit linear layers, 16-bit embeddings), the LoRA adapter with its gradient and
-  AdamW's two moments (fp32, 16 bytes a parameter), and the CUDA context;
+  AdamW's two moments and its foreach step's temporary (fp32, 20 bytes a parameter), and the CUDA context;
 - one step's working memory (`StepMemory`): transformers generation's key/value cache, or one micro-batch of
   training, whichever is larger (and with transformers generation, a 4-bit base's dense copy it decodes from);
 - with vLLM, the engine: a 16-bit copy of the base (vLLM has no 4-bit bitsandbytes loader), its LoRA slots,
@@ -18,12 +18,11 @@ not fit, and generates with transformers); `minigrpo bench model` measures the s
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from dataclasses import dataclass, field
 
 from minigrpo.hardware import Gpu, compute_dtype, dtype_name, host_memory_gb
+from minigrpo.memory import GiB, Sizes, StepMemory
 
-GiB = 2**30
 BUDGET = 0.92  # share of a card's memory a plan may fill; the rest is fragmentation and allocator slack
 CUDA_CONTEXT_GB = 0.5  # cuda context, cublas workspaces, kernels: held outside torch's allocator
 ENGINE_OVERHEAD_GB = 0.45  # vLLM's cuda graphs, sampler buffers and non-torch memory beyond its weights
@@ -31,98 +30,9 @@ ENGINE_MARGIN_GB = 0.75  # room for what the estimate misses (profiling peaks, g
 ENGINE_ASLEEP_GB = 0.3  # what a sleeping engine still holds on the card
 SLEEP_ABOVE = 0.85  # the engine sleeps during training when awake it would leave the card fuller than this
 QUANT_BYTES = 0.5 + 4 / 64 / 4 + 0.02  # nf4: half a byte a weight, double-quantized block scales
+ADAPTER_BYTES = 20  # a LoRA parameter: fp32 weight, gradient, AdamW's two moments, and the foreach step's sqrt copy
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the slot sizes vLLM allocates
 MAX_BATCHED_TOKENS = 4096  # the engine's per-forward token budget (prefill chunks); sizes its workspace
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """Parameter counts of a decoder-only model, by where they go."""
-    linear: int  # the block projections: 4-bit in the trainer, LoRA-wrapped
-    embedding: int  # token embeddings, plus the lm head when it is not tied
-    lora_per_rank: int  # LoRA parameters per unit of rank over all seven projections of all layers
-    layers: int
-    hidden: int
-    intermediate: int
-    vocab: int
-    kv_dim: int  # key (or value) width per token per layer
-
-    @classmethod
-    def of(cls, c) -> "Sizes":
-        H, I, L, V = c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.vocab_size
-        heads = c.num_attention_heads
-        head_dim = getattr(c, "head_dim", None) or H // heads
-        kv = (getattr(c, "num_key_value_heads", None) or heads) * head_dim
-        q = heads * head_dim
-        per_layer = H * q + 2 * H * kv + q * H + 3 * H * I  # q, k, v, o; gate, up, down
-        lora = (H + q) + 2 * (H + kv) + (q + H) + 3 * (H + I)  # r x (in + out) for each projection
-        tied = getattr(c, "tie_word_embeddings", True)
-        return cls(L * per_layer, V * H * (1 if tied else 2), L * lora, L, H, I, V, kv)
-
-    @property
-    def total(self) -> int:
-        return self.linear + self.embedding
-
-
-@dataclass
-class StepMemory:
-    """What one training step adds to the memory of the loaded model, from the model's shape alone.
-
-    Generation with transformers keeps keys and values for every row at once (vLLM's cache is part of the
-    engine's fixed share instead), in the fixed-shape decoder's one state (generate/static.py), which stays
-    through training: the largest rollout's while it decodes (the held-out evaluation's `eval_rows` may be the
-    largest), and through training the one the last rollout left (an evaluation's, where the training rollout
-    fitted in it). Training runs one micro-batch at a time: with gradient checkpointing it keeps each layer's
-    input, recomputes one layer at a time in backward (its activations and their gradients), and sends `chunk`
-    completion tokens at a time through the lm head (the logits, their float32 copies and the log-softmax:
-    about 16 bytes per vocabulary entry). The step's peak is the larger of decoding and state plus training;
-    the rest (weights, optimizer, runtime buffers) is measured, by `calibrate`.
-
-    >>> from transformers import LlamaConfig
-    >>> memory = StepMemory(LlamaConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
-    ...                                 num_attention_heads=16, num_key_value_heads=4, vocab_size=32000),
-    ...                     dtype_bytes=2, micro_batch_size=8, chunk=512)
-    >>> round(memory.step_gb(rows=32, prompt_tokens=128, new_tokens=512), 3)  # 32 rows' state + training
-    1.182
-    >>> round(memory.step_gb(rows=32, prompt_tokens=128, new_tokens=512, eval_rows=256), 3)  # 256 rows decoding
-    2.5
-    """
-
-    shape: object  # a transformers config
-    dtype_bytes: int
-    micro_batch_size: int
-    chunk: int  # completion tokens per lm-head pass (TrainConfig.logprob_chunk_size)
-    hf_generation: bool = True
-    checkpointing: bool = True
-
-    def generation_gb(self, rows: int, prompt_tokens: int, new_tokens: int) -> float:
-        s = Sizes.of(self.shape)
-        return rows * (prompt_tokens + new_tokens) * 2 * s.layers * s.kv_dim * self.dtype_bytes / GiB
-
-    def training_gb(self, rows: int, prompt_tokens: int, new_tokens: int) -> float:
-        s = Sizes.of(self.shape)
-        T = prompt_tokens + new_tokens
-        layer = 8 * s.hidden + 4 * s.intermediate  # per token: norms, q/k/v/o, residuals; gate, up, activation
-        kept = s.layers * s.hidden if self.checkpointing else s.layers * layer
-        micro = min(rows, self.micro_batch_size)
-        return (micro * T * (kept + 2 * layer) * self.dtype_bytes + min(micro * new_tokens, self.chunk) * s.vocab * 16
-                ) / GiB
-
-    def step_gb(self, rows: int, prompt_tokens: int, new_tokens: int, eval_rows: int = 0) -> float:
-        training = self.training_gb(rows, prompt_tokens, new_tokens)
-        if not self.hf_generation:
-            return training
-        from minigrpo.generate.static import rows_bucket
-
-        trained, evaluated = rows_bucket(rows), rows_bucket(eval_rows) if eval_rows else 0
-        kept = evaluated if rows <= evaluated <= 2 * trained else trained  # the state a training rollout leaves
-        decoding = self.generation_gb(max(trained, evaluated), prompt_tokens, new_tokens)
-        return max(decoding, self.generation_gb(kept, prompt_tokens, new_tokens) + training)
-
-    def calibrate(self, rows: list[dict]) -> float:
-        """The measured part: the median over the measured settings of peak memory minus what their step adds."""
-        return statistics.median(r["peak GB"] - self.step_gb(r["G"] * r["prompts"], r["prompt tokens"],
-                                                              r["completion tokens"]) for r in rows)
 
 
 @dataclass
@@ -144,6 +54,7 @@ class Settings:
     bf16_base: bool = False  # a float32 model's projections kept in bfloat16 (a cpu)
     eval_prompts: int = 0  # held-out prompts an evaluation decodes at once; 0 without an evaluation
     eval_samples: int = 1  # rows per held-out prompt (the sampled evaluation's n; greedy alone: 1)
+    top_p: float = 1.0
 
     @property
     def eval_rows(self) -> int:
@@ -157,7 +68,8 @@ class Settings:
                    cfg.logprob_chunk_size, cfg.gradient_checkpointing, cfg.dtype, cfg.generator,
                    cfg.gpu_memory_utilization, cfg.bf16_base,
                    cfg.eval_prompts if cfg.eval_every or cfg.eval_before_after else 0,
-                   cfg.eval_samples if cfg.eval_every else 1)  # the sampled evaluation decodes n rows a prompt
+                   cfg.eval_samples if cfg.eval_every else 1,  # the sampled evaluation decodes n rows a prompt
+                   cfg.top_p)
 
 
 @dataclass
@@ -180,6 +92,7 @@ class Plan:
     fits: bool = True
     advice: list[str] = field(default_factory=list)
     checkpointing: bool = True  # gradient checkpointing: activations recomputed in backward
+    dense_gb: float = 0.0  # the fixed-shape decoder's dense copy of a 4-bit base (included in trainer_gb)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -206,14 +119,15 @@ def make_plan(shape, gpu: Gpu | None, s: Settings, vllm_installed: bool = True, 
     trainer = trainer_gb(sizes, s.lora_rank, s.load_in_4bit, nbytes) + (CUDA_CONTEXT_GB if gpu else 0.0)
     if s.checkpointing is None:
         s = dataclasses.replace(s, checkpointing=needs_checkpointing(shape, gpu, s, nbytes, trainer, host_memory_gb()))
-    memory = StepMemory(shape, nbytes, s.micro_batch_size, s.chunk, True, s.checkpointing)
-    hf_step = memory.step_gb(s.rows, s.prompt_tokens, s.new_tokens, s.eval_rows)
+    memory = StepMemory(shape, nbytes, s.micro_batch_size, s.chunk, True, s.checkpointing, s.top_p)
+    hf_step = memory.step_gb(s.rows, s.prompt_tokens, s.new_tokens, s.eval_rows, s.prompts, s.eval_prompts)
     train_step = memory.training_gb(s.rows, s.prompt_tokens, s.new_tokens)
     name, total = (gpu.name, gpu.total_gb) if gpu else ("cpu", 0.0)
-    dense = sizes.linear * nbytes / GiB * s.load_in_4bit  # the fixed-shape decoder's dense copy of a 4-bit base,
+    dense = (sizes.linear + sizes.fused_lora_per_rank * s.lora_rank) * nbytes / GiB * s.load_in_4bit  # the fixed-shape
+    # decoder's dense copy of a 4-bit base and its adapter's stacked copy,
     dense *= not gpu or dense <= (total - trainer) / 2  # unless it is over half the free card (StaticDecoder.build)
     hf = Plan(name, total, dtype_name(dtype), dtype_reason, "hf", "", trainer + dense, hf_step,
-              peak_gb=trainer + dense + hf_step, checkpointing=s.checkpointing)
+              peak_gb=trainer + dense + hf_step, checkpointing=s.checkpointing, dense_gb=dense)
 
     if gpu is None:
         choice = "vllm" if s.generator == "vllm" else "hf"
@@ -250,9 +164,13 @@ def needs_checkpointing(shape, gpu: Gpu | None, s: Settings, nbytes: int, traine
     return trainer + without.step_gb(s.rows, s.prompt_tokens, s.new_tokens) > host_gb / 8
 
 
+def weights_gb(sizes: Sizes, load_in_4bit: bool, nbytes: int) -> float:
+    """The base: its block projections in 4-bit (or the compute dtype), its embeddings in the compute dtype."""
+    return (sizes.linear * (QUANT_BYTES if load_in_4bit else nbytes) + sizes.embedding * nbytes) / GiB
+
+
 def trainer_gb(sizes: Sizes, lora_rank: int, load_in_4bit: bool, nbytes: int) -> float:
-    adapter = sizes.lora_per_rank * lora_rank * 16  # fp32 weights, gradients, adam's two moments
-    return (sizes.linear * (QUANT_BYTES if load_in_4bit else nbytes) + sizes.embedding * nbytes + adapter) / GiB
+    return weights_gb(sizes, load_in_4bit, nbytes) + sizes.lora_per_rank * lora_rank * ADAPTER_BYTES / GiB
 
 
 def engine_plan(sizes: Sizes, gpu: Gpu, s: Settings, nbytes: int, trainer: float, train_step: float) -> Plan:

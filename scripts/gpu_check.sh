@@ -127,7 +127,7 @@ from safetensors.torch import load_file
 from minigrpo.config import TrainConfig
 from minigrpo.bench.steps import peak_agrees
 from minigrpo.cli.machine import plans_for
-from minigrpo.train import GAP_WARNING
+from minigrpo.health import GAP_WARNING
 run = Path(sys.argv[1])
 steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 adapter = load_file(str(run / "adapter" / "adapter_model.safetensors"))

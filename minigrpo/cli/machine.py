@@ -34,6 +34,9 @@ def plan_command(
     eval_prompts: int = typer.Option(TRAIN.eval_prompts, help="Held-out prompts an evaluation decodes at once."),
     eval_samples: int = typer.Option(TRAIN.eval_samples, help="Samples per held-out prompt (with --eval-every)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per card, for scripts."),
+    rehearse: bool = typer.Option(False, help="Also run a step's code at the preset's sizes on tensors without "
+                                              "data, and print each part's counted peak beside the plan's."),
+    top_p: float = typer.Option(TRAIN.top_p, help="As train's (with --rehearse: the log-prob path it sizes)."),
 ) -> None:
     """Before any download: what a run would use on a card (dtype, generator, engine share, peak) and if it fits;
     on this machine's GPU by default, else on every known card."""
@@ -52,6 +55,10 @@ def plan_command(
             print(json.dumps({"model": model, "gpu": label, **p.to_dict()}))
         return
     print_plans(cfg, plans, Console(width=max(Console().width, 110)))
+    if rehearse:
+        from minigrpo.rehearse import print_rehearsal
+
+        print_rehearsal(model, gpu or "t4", top_p, Console(width=max(Console().width, 110)))
 
 
 def print_plans(cfg, plans: dict, console) -> None:

@@ -62,8 +62,8 @@ class HFGenerator:
             try:
                 return self.static.decode(prompt_ids, sampling, self.eos_ids, self.pad_id, adapters=not base)
             except Exception as error:  # a graph that cannot be captured, an op this torch lacks: say so, go on
-                if self.decoder == "static":
-                    raise
+                if self.decoder == "static" or isinstance(error, torch.OutOfMemoryError):
+                    raise  # out of memory: the eager loop would only decode slower into the same wall
                 self.static = None
                 self.say(f"fixed-shape decoding failed ({type(error).__name__}: {str(error)[:160]}); decoding "
                          f"token by token through the model's own modules from now on")

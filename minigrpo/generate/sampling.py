@@ -56,19 +56,54 @@ def sample(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torc
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 
-def kept_logmass(logits: torch.Tensor, targets: torch.Tensor, top_p: float) -> torch.Tensor:
+NUCLEUS_TOP_K = 256  # tokens ranked per row for the kept mass; a row whose nucleus reaches past them is bisected
+
+
+def kept_logmass(logits: torch.Tensor, targets: torch.Tensor, top_p: float,
+                 normalizer: torch.Tensor | None = None) -> torch.Tensor:
     """log of the probability mass top-p sampling keeps at each position, the sampled token always counted
     (where rounding put it just outside this side's nucleus, the other side's sampler still kept it).
     A sampler's nucleus log-prob plus this is the token's log-prob over the whole vocabulary, the trainer's
-    footing. logits: [c, V] (already divided by the temperature), targets: [c] -> [c].
+    footing. logits: [c, V] (already divided by the temperature), targets: [c], normalizer: their logsumexp
+    [c] where the caller has it -> [c].
+
+    No sort of the vocabulary (a float and an int64 index per entry, and a slow kernel at 150K entries): the
+    nucleus is found among each row's `NUCLEUS_TOP_K` most likely tokens, and a row whose nucleus is wider
+    than that has its threshold bisected over its full row. Beside `logits`, a few [c, k] tensors and, for
+    bisected rows only, two [rows, V] floats and a mask (9 bytes an entry; plan.LOGPROB_BYTES counts them). The kept set is `nucleus`'s (ties aside).
 
     >>> logits = torch.tensor([[0.5, 0.3, 0.2]]).log()
     >>> [round(kept_logmass(logits, torch.tensor([t]), 0.7).exp().item(), 4) for t in (0, 2)]
     [0.8, 1.0]
+    >>> wide = -torch.arange(1000.0)[None] / 1000  # a nucleus of about 900 tokens, past the top k: bisected
+    >>> sorted_mass = (wide.softmax(-1) * ~nucleus(wide, 0.9)).sum().item()
+    >>> abs(kept_logmass(wide, torch.tensor([0]), 0.9).exp().item() - sorted_mass) < 1e-6
+    True
     """
     if top_p >= 1.0:
         return logits.new_zeros(len(targets))  # [c]
-    probs = logits.float().softmax(-1)  # [c, V]
-    kept = ~nucleus(logits, top_p)  # [c, V]
-    kept.scatter_(-1, targets[:, None], True)
-    return (probs * kept).sum(-1).log()  # [c]
+    logits = logits.float()
+    if normalizer is None:
+        normalizer = torch.logsumexp(logits, dim=-1)  # [c]
+    k = min(NUCLEUS_TOP_K, logits.shape[-1])
+    top = (logits.topk(k, dim=-1, sorted=True).values - normalizer[:, None]).exp()  # [c, k] largest first
+    ahead = top.cumsum(-1) - top  # [c, k]: the mass of the tokens ranked before each
+    kept = (top * (ahead <= top_p)).sum(-1)  # [c]
+    threshold = top.masked_fill(ahead > top_p, 2.0).amin(-1)  # [c]: the least likely kept token's probability
+    wide = ahead[:, -1] <= top_p  # [c]: the k-th token is still kept, so the nucleus may go on past it
+    if bool(wide.any()):  # rare; a host read per chunk of the update
+        rows = wide.nonzero().squeeze(-1)  # [r]
+        kept[rows], threshold[rows] = _bisected((logits[rows] - normalizer[rows, None]).exp_(), top_p)
+    target_p = (logits.gather(-1, targets[:, None]).squeeze(-1) - normalizer).exp()  # [c]
+    return (kept + target_p * (target_p < threshold)).log()  # [c]: the sampled token counted where it was out
+
+
+def _bisected(probs: torch.Tensor, top_p: float, steps: int = 40) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept mass and threshold of rows too wide for the top k: a token is kept where the mass strictly more
+    likely than it is at most top_p, so the threshold is the least t with mass(p > t) <= top_p. probs: [r, V]."""
+    low, high = probs.new_zeros(len(probs)), probs.amax(-1)  # [r]: mass(p > low) > top_p >= mass(p > high)
+    for _ in range(steps):
+        middle = (low + high) / 2  # [r]
+        above = (probs * (probs > middle[:, None])).sum(-1) <= top_p  # [r]
+        low, high = torch.where(above, low, middle), torch.where(above, middle, high)
+    return (probs * (probs > low[:, None])).sum(-1), high  # [r], [r]

@@ -31,6 +31,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from minigrpo.generate.fused import Projection, dense_copy_gb
 from minigrpo.model import cache_keyword
 from minigrpo.generate.sampling import Sampling, sample
 
@@ -50,70 +51,20 @@ def rows_bucket(rows: int) -> int:
     return 1 << (rows - 1).bit_length()
 
 
+PREFILL_TOKENS = 4096  # prompt tokens per prefill forward: its cache and activations are what the plan counts
+
+
+def prefill_prompts(longest: int) -> int:
+    """How many prompts one prefill forward takes: `PREFILL_TOKENS` tokens' worth at the batch's longest prompt.
+
+    >>> prefill_prompts(100), prefill_prompts(512), prefill_prompts(9000)
+    (40, 8, 1)
+    """
+    return max(1, PREFILL_TOKENS // longest)
+
+
 class Unsupported(Exception):
     """This model cannot use the static decoder; the message says why in a few words."""
-
-
-def base_weight(linear: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """A frozen projection's weight as a dense matrix [out, in]: a 4-bit one dequantized to `dtype`, a dense one
-    as stored (a bf16 projection in a float32 model stays bf16: it multiplies in bf16, as in training)."""
-    weight = linear.weight
-    if getattr(weight, "quant_state", None) is not None:
-        import bitsandbytes.functional as bnbf
-
-        return bnbf.dequantize_4bit(weight.data, weight.quant_state).to(dtype)
-    return weight.data
-
-
-class Projection:
-    """Some projections of one block that read the same input, fused: y = (x W^T + b) + (x A^T) B^T, where
-    W holds the base's weights stacked, A the adapters' down-projections stacked and B their up-projections
-    on a block diagonal, each scaled by its adapter's alpha / r."""
-
-    def __init__(self, modules: list, stream: torch.dtype):
-        bases = [getattr(m, "base_layer", m) for m in modules]
-        weights = [base_weight(b, stream) for b in bases]
-        self.weight = torch.cat(weights)  # [out, in]
-        if not any(getattr(b.weight, "quant_state", None) is not None for b in bases):
-            start = 0  # the base's own layers read views of the fused tensor: one copy of the weights, not two
-            for b, w in zip(bases, weights):
-                b.weight.data = self.weight[start:start + len(w)]
-                start += len(w)
-        biases = [b.bias.data if b.bias is not None else None for b in bases]
-        self.bias = None if all(x is None for x in biases) else torch.cat(
-            [x if x is not None else w.new_zeros(len(w)) for x, w in zip(biases, weights)]).to(self.weight.dtype)
-        self.modules = modules
-        ranks = [m.lora_A["default"].weight.shape[0] for m in modules] if _has_lora(modules) else []
-        self.A = self.B = None
-        if ranks:
-            self.A = self.weight.new_zeros(sum(ranks), self.weight.shape[1], dtype=stream)  # [R, in]
-            self.B = self.weight.new_zeros(sum(ranks), self.weight.shape[0], dtype=stream)  # [R, out]: B^T
-            self.refresh()
-
-    def refresh(self) -> None:
-        """Copy the adapters' current weights into A and B, in place (a captured graph reads these tensors)."""
-        if self.A is None:
-            return
-        r0 = o0 = 0
-        for m in self.modules:
-            a, b = m.lora_A["default"].weight, m.lora_B["default"].weight  # [r, in], [out, r]
-            r, out = a.shape[0], b.shape[0]
-            self.A[r0:r0 + r].copy_(a)
-            self.B[r0:r0 + r, o0:o0 + out].copy_(b.T * m.scaling["default"])
-            r0, o0 = r0 + r, o0 + out
-
-    def __call__(self, x: torch.Tensor, adapters: bool) -> torch.Tensor:
-        if self.weight.dtype == x.dtype:
-            y = F.linear(x, self.weight, self.bias)  # [b, out]
-        else:  # a bf16 projection in a float32 model: multiply in bf16, add the adapter in float32
-            y = F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)  # [b, out]
-        if adapters and self.A is not None:
-            y = torch.addmm(y, F.linear(x, self.A), self.B)  # [b, out] + [b, R] @ [R, out]
-        return y
-
-
-def _has_lora(modules) -> bool:
-    return all(hasattr(m, "lora_A") and "default" in m.lora_A for m in modules)
 
 
 class StaticDecoder:
@@ -134,6 +85,7 @@ class StaticDecoder:
             for name, (part, names) in GROUPS.items():
                 block[name] = Projection([getattr(getattr(layer, part), n) for n in names], stream)
             self.blocks.append(block)
+        self.mixed_bmm = _has_mixed_bmm(inner.device)
         self.held: dict | None = None  # the one state kept: its buffers, its graph on a card, what it decodes
         self.states_built = 0  # how many times a batch shape's buffers (and, on a card, its graph) were made
 
@@ -154,7 +106,7 @@ class StaticDecoder:
         if getattr(config, "rope_parameters", None) and config.rope_parameters.get("rope_type") in ("dynamic",):
             raise Unsupported("dynamic rope scaling (positions' frequencies change with the length)")
         stream = inner.model.embed_tokens.weight.dtype
-        dense_gb = _dense_copy_gb(inner, stream)
+        dense_gb = dense_copy_gb(inner, stream)
         if dense_gb and inner.device.type == "cuda" and dense_gb > torch.cuda.mem_get_info(inner.device)[0] / 2**30 / 2:
             raise Unsupported(f"its 4-bit base as dense weights needs {dense_gb:.1f} GB, more than half of what is "
                               f"free on the card")
@@ -185,9 +137,8 @@ class StaticDecoder:
             s["keys"][i].index_copy_(2, s["slot"], qk[:, H:].unsqueeze(2))  # [b, Hkv, T, hd]
             s["values"][i].index_copy_(2, s["slot"], qkv[:, (H + self.kv_heads) * hd:].view(b, -1, 1, hd))
             # plain attention for one query: a fused kernel costs more to start than it saves here
-            scores = torch.baddbmm(s["mask"], q.reshape(-1, group, hd), s["keys_t"][i], alpha=self.scale)  # [b Hkv, g, T]
-            weights = scores.softmax(-1) if scores.dtype == torch.float32 else \
-                scores.softmax(-1, dtype=torch.float32).to(scores.dtype)  # [b Hkv, g, T]
+            scores = self._scores(s["mask"], q.reshape(-1, group, hd), s["keys_t"][i])  # [b Hkv, g, T] float32
+            weights = scores.softmax(-1).to(self.stream)  # [b Hkv, g, T]
             attended = torch.bmm(weights, s["values_v"][i])  # [b Hkv, g, hd]
             x = x + block["o"](attended.view(b, H * hd), adapters)  # [b, hidden]
             gate_up = block["gate_up"](_rms_norm(x, block["norm2"]), adapters)  # [b, 2 I]
@@ -195,6 +146,15 @@ class StaticDecoder:
             x = x + block["down"](F.silu(gate) * up, adapters)  # [b, hidden]
         x = _rms_norm(x, self.inner.model.norm)
         return F.linear(x, self.inner.get_output_embeddings().weight)  # [b, V]
+
+    def _scores(self, mask: torch.Tensor, q: torch.Tensor, keys_t: torch.Tensor) -> torch.Tensor:
+        """q k^T / sqrt(hd) + mask, in float32 as SDPA keeps them (a bf16 score near 20 is off by up to 0.06 before
+        the softmax, a 6% error in its weight). q: [n, g, hd], keys_t: [n, hd, T], mask: [n, 1, T] -> [n, g, T]."""
+        if q.dtype == torch.float32:
+            return torch.baddbmm(mask, q, keys_t, alpha=self.scale)
+        if self.mixed_bmm:  # a card's bmm accumulates in float32 and writes that out
+            return torch.bmm(q, keys_t, out_dtype=torch.float32).mul_(self.scale).add_(mask)
+        return torch.baddbmm(mask, q.float(), keys_t.float(), alpha=self.scale)  # a cpu has no such bmm
 
     def _step(self, s: dict, sampling: Sampling, adapters: bool) -> None:
         """Feed the last sampled token, sample the next, record it: every tensor here has a fixed shape."""
@@ -219,7 +179,7 @@ class StaticDecoder:
         return {"keys": keys, "values": values,  # and the views attention reads them through, made once
                 "keys_t": [k.view(-1, T, self.head_dim).transpose(1, 2) for k in keys],  # [b Hkv, hd, T]
                 "values_v": [v.view(-1, T, self.head_dim) for v in values],  # [b Hkv, T, hd]
-                "mask": torch.full((rows * self.kv_heads, 1, T), -math.inf, dtype=self.stream, device=dev),
+                "mask": torch.full((rows * self.kv_heads, 1, T), -math.inf, device=dev),  # float32, as the scores
                 "rotary": self._rotary(T + 1), "token": z(rows), "position": z(rows), "slot": z(1), "t": z(1),
                 "tokens": z(rows, T), "logps": z(rows, T, dtype=torch.float32), "done": z(rows, dtype=torch.bool),
                 "eos": torch.tensor(eos_ids, dtype=torch.long, device=dev)}
@@ -229,7 +189,7 @@ class StaticDecoder:
         if self.held is None:
             return 0
         tensors = [t for v in self.held["state"].values() for t in (v if isinstance(v, list) else [v])]
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}  # views once
+        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}  # views once
         return sum(storages.values())
 
     def _take_state(self, rows: int, need: int, reserve: int, sampling: Sampling, adapters: bool,
@@ -259,37 +219,13 @@ class StaticDecoder:
                adapters: bool = True) -> tuple[list[list[int]], list[list[float]]]:
         """As `generation.decode`: G sampled continuations of each prompt, grouped, each up to its first eos
         (kept) or `max_new_tokens`, and each sampled token's log-prob under the distribution it came from."""
-        from transformers import DynamicCache
-
         dev, G, n = self.inner.device, sampling.n, sampling.max_new_tokens
         P, longest = len(prompt_ids), max(len(p) for p in prompt_ids)
-        ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompt_ids], device=dev)  # [P, Lp]
-        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompt_ids], device=dev)  # [P, Lp]
         held = self._take_state(P * G, longest + n, sampling.context_tokens or 0, sampling, adapters, eos_ids)
-        s, R = held["state"], held["rows"]
-        # row r decodes prompt r // G; rows beyond P x G (the state's spare rows) repeat prompt 0 and start done
-        source = torch.arange(R, device=dev).div(G, rounding_mode="floor").clamp(max=P - 1)  # [R]
-        source[P * G:] = 0
-        # the prompts: one prefill per distinct prompt with the trainer's own modules, as generation.decode does
-        cache = DynamicCache()
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                         **{cache_keyword(self.model): cache}, use_cache=True, logits_to_keep=1)
-        for i in range(len(self.blocks)):
-            layer = cache.layers[i]
-            s["keys"][i][:, :, :longest] = layer.keys.index_select(0, source)
-            s["values"][i][:, :, :longest] = layer.values.index_select(0, source)
-        rows_mask = mask.index_select(0, source)  # [R, Lp]
-        s["mask"].fill_(-math.inf)
-        s["mask"][:, 0, :longest].masked_fill_(rows_mask.repeat_interleave(self.kv_heads, dim=0).bool(), 0.0)
-        s["position"].copy_(rows_mask.sum(-1))
-        s["slot"].fill_(longest)
-        s["t"].fill_(1)
-        s["done"].zero_()
-        s["done"][P * G:] = True
-        token, logp = sample(out.logits[:, -1].float().index_select(0, source), sampling)  # [R], [R]
+        s = held["state"]
+        token, logp = sample(self.prefill(s, prompt_ids, G, pad_id).float(), sampling)  # [R], [R]
         s["tokens"][:, 0], s["logps"][:, 0], s["token"][:] = token, logp, token
         s["done"].logical_or_(torch.isin(token, s["eos"]))
-        del out, cache
         if dev.type == "cuda" and held["graph"] is None:
             held["graph"] = self._capture(s, sampling, adapters)
         graph = held["graph"]
@@ -309,6 +245,50 @@ class StaticDecoder:
             tokens[row], logps[row] = tokens[row][:end], logps[row][:end]
         return tokens, logps
 
+    @torch.no_grad()
+    def prefill(self, s: dict, prompt_ids: list[list[int]], G: int, pad_id: int) -> torch.Tensor:
+        """The prompts through the trainer's own modules, a group of prompts at a time, each group's keys and
+        values copied into its G rows of the state before the next group runs: beside the state, the card holds
+        one group's cache and activations (`prefill_prompts` of them), never all P prompts' at once. Rows beyond
+        P x G (the state's spare rows) repeat prompt 0 and start done. Returns each row's next-token logits [R, V];
+        the state is then ready for the first sampled token."""
+        from transformers import DynamicCache
+
+        dev, P, R = self.inner.device, len(prompt_ids), s["tokens"].shape[0]
+        longest = max(len(p) for p in prompt_ids)
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompt_ids], device=dev)  # [P, Lp]
+        last = None  # [R, V]
+        group = prefill_prompts(longest)
+        for first in range(0, P, group):
+            ids = torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompt_ids[first:first + group]],
+                               device=dev)  # [g, Lp]
+            part = mask[first:first + group]  # [g, Lp]
+            cache = DynamicCache()
+            logits = self.model(input_ids=ids, attention_mask=part, position_ids=(part.cumsum(-1) - 1).clamp(min=0),
+                                **{cache_keyword(self.model): cache}, use_cache=True, logits_to_keep=1).logits[:, -1]
+            g = len(ids)
+            if last is None:
+                last = logits.new_empty(R, logits.shape[-1])  # [R, V]
+            rows = slice(first * G, (first + g) * G)
+            last[rows] = logits.repeat_interleave(G, dim=0)
+            for i, layer in enumerate(cache.layers):  # each prompt's cache broadcast to its G rows, no copy made
+                for kept, new in ((s["keys"][i], layer.keys), (s["values"][i], layer.values)):
+                    kept[rows, :, :longest].view(g, G, *new.shape[1:]).copy_(new[:, None])
+            del cache, logits
+        spare = slice(P * G, R)
+        last[spare] = last[0]
+        for k, v in zip(s["keys"], s["values"]):
+            k[spare, :, :longest], v[spare, :, :longest] = k[0, :, :longest], v[0, :, :longest]
+        rows_mask = torch.cat([mask.repeat_interleave(G, dim=0), mask[:1].expand(R - P * G, -1)])  # [R, Lp]
+        s["mask"].fill_(-math.inf)
+        s["mask"][:, 0, :longest].masked_fill_(rows_mask.repeat_interleave(self.kv_heads, dim=0).bool(), 0.0)
+        s["position"].copy_(rows_mask.sum(-1))
+        s["slot"].fill_(longest)
+        s["t"].fill_(1)
+        s["done"].zero_()
+        s["done"][P * G:] = True
+        return last
+
     def _capture(self, s: dict, sampling: Sampling, adapters: bool):
         """One decode step recorded as a CUDA graph; its state is restored, so the capture decodes nothing."""
         saved = {k: v.clone() for k, v in s.items() if isinstance(v, torch.Tensor) and k not in ("rotary", "eos")}
@@ -326,11 +306,15 @@ class StaticDecoder:
         return graph
 
 
-def _dense_copy_gb(inner, stream: torch.dtype) -> float:
-    """GB the dequantized copy of a 4-bit base's block projections takes (0 for a 16-bit base: read in place)."""
-    quantized = [m for m in inner.model.layers.modules()  # the 4-bit layers themselves, not PEFT's wrappers of them
-                 if not hasattr(m, "base_layer") and getattr(getattr(m, "weight", None), "quant_state", None)]
-    return sum(m.out_features * m.in_features for m in quantized) * torch.finfo(stream).bits / 8 / 2**30
+def _has_mixed_bmm(device: torch.device) -> bool:
+    """Does this device multiply 16-bit matrices into a float32 result (`bmm(..., out_dtype=)`: CUDA builds)?"""
+    if device.type != "cuda":
+        return False
+    try:
+        a = torch.zeros(1, 1, 8, dtype=torch.float16, device=device)
+        return torch.bmm(a, a.transpose(1, 2), out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
 
 
 def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:

@@ -1,0 +1,76 @@
+"""The fixed-shape decoder's weights: each block's projections fused, the frozen base dense in the compute
+precision and the LoRA adapters beside it, refreshed in place after each optimizer step (static.py reads them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def base_weight(linear: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """A frozen projection's weight as a dense matrix [out, in]: a 4-bit one dequantized to `dtype`, a dense one
+    as stored (a bf16 projection in a float32 model stays bf16: it multiplies in bf16, as in training)."""
+    weight = linear.weight
+    if getattr(weight, "quant_state", None) is not None:
+        import bitsandbytes.functional as bnbf
+
+        return bnbf.dequantize_4bit(weight.data, weight.quant_state).to(dtype)
+    return weight.data
+
+
+class Projection:
+    """Some projections of one block that read the same input, fused: y = (x W^T + b) + (x A^T) B^T, where
+    W holds the base's weights stacked, A the adapters' down-projections stacked and B their up-projections
+    on a block diagonal, each scaled by its adapter's alpha / r."""
+
+    def __init__(self, modules: list, stream: torch.dtype):
+        bases = [getattr(m, "base_layer", m) for m in modules]
+        weights = [base_weight(b, stream) for b in bases]
+        self.weight = torch.cat(weights)  # [out, in]
+        if not any(getattr(b.weight, "quant_state", None) is not None for b in bases):
+            start = 0  # the base's own layers read views of the fused tensor: one copy of the weights, not two
+            for b, w in zip(bases, weights):
+                b.weight.data = self.weight[start:start + len(w)]
+                start += len(w)
+        biases = [b.bias.data if b.bias is not None else None for b in bases]
+        self.bias = None if all(x is None for x in biases) else torch.cat(
+            [x if x is not None else w.new_zeros(len(w)) for x, w in zip(biases, weights)]).to(self.weight.dtype)
+        self.modules = modules
+        ranks = [m.lora_A["default"].weight.shape[0] for m in modules] if _has_lora(modules) else []
+        self.A = self.B = None
+        if ranks:
+            self.A = self.weight.new_zeros(sum(ranks), self.weight.shape[1], dtype=stream)  # [R, in]
+            self.B = self.weight.new_zeros(sum(ranks), self.weight.shape[0], dtype=stream)  # [R, out]: B^T
+            self.refresh()
+
+    def refresh(self) -> None:
+        """Copy the adapters' current weights into A and B, in place (a captured graph reads these tensors)."""
+        if self.A is None:
+            return
+        r0 = o0 = 0
+        for m in self.modules:
+            a, b = m.lora_A["default"].weight, m.lora_B["default"].weight  # [r, in], [out, r]
+            r, out = a.shape[0], b.shape[0]
+            self.A[r0:r0 + r].copy_(a)
+            self.B[r0:r0 + r, o0:o0 + out].copy_(b.T * m.scaling["default"])
+            r0, o0 = r0 + r, o0 + out
+
+    def __call__(self, x: torch.Tensor, adapters: bool) -> torch.Tensor:
+        if self.weight.dtype == x.dtype:
+            y = F.linear(x, self.weight, self.bias)  # [b, out]
+        else:  # a bf16 projection in a float32 model: multiply in bf16, add the adapter in float32
+            y = F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)  # [b, out]
+        if adapters and self.A is not None:
+            y = torch.addmm(y, F.linear(x, self.A), self.B)  # [b, out] + [b, R] @ [R, out]
+        return y
+
+
+def _has_lora(modules) -> bool:
+    return all(hasattr(m, "lora_A") and "default" in m.lora_A for m in modules)
+
+
+def dense_copy_gb(inner, stream: torch.dtype) -> float:
+    """GB the dequantized copy of a 4-bit base's block projections takes (0 for a 16-bit base: read in place)."""
+    quantized = [m for m in inner.model.layers.modules()  # the 4-bit layers themselves, not PEFT's wrappers of them
+                 if not hasattr(m, "base_layer") and getattr(getattr(m, "weight", None), "quant_state", None)]
+    return sum(m.out_features * m.in_features for m in quantized) * torch.finfo(stream).bits / 8 / 2**30
