@@ -39,7 +39,7 @@ def token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_
     hidden = inner.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=positions(attention_mask)).last_hidden_state  # [B, L, H]
     B, L = input_ids.shape
-    hidden = hidden[:, L - n_completion - 1:L - 1].reshape(B * n_completion, -1)  # [B*T, H]: t predicts token t
+    hidden = hidden[:, L - n_completion - 1:L - 1].reshape(B * n_completion, hidden.shape[-1])  # [B*T, H]: t predicts t
     targets = input_ids[:, L - n_completion:].reshape(-1)  # [B*T]
     where = None if mask is None else mask.reshape(-1).nonzero().squeeze(-1)  # [N] the positions computed
     if where is not None:

@@ -47,3 +47,20 @@ def test_the_kept_mass_is_the_sorted_nucleus_mass_without_sorting():
         # equal but where float32 rounding puts the boundary token (a flat row's ~2e-4 of mass) on the other side
         assert torch.allclose(kept_logmass(logits, targets, top_p), expected, atol=1e-3), top_p
         assert torch.allclose(kept_logmass(logits[:64], targets[:64], top_p), expected[:64], atol=1e-5), top_p
+
+
+def test_a_micro_batch_with_nothing_to_score_still_backpropagates():
+    """Every completion empty (or masked): zeros in the graph, not a TypeError from an empty list of chunks."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from minigrpo.logprobs import token_stats
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=100))
+    ids, attention = torch.randint(0, 100, (2, 7)), torch.ones(2, 7, dtype=torch.long)
+    for n, mask in ((3, torch.zeros(2, 3, dtype=torch.bool)), (0, torch.zeros(2, 0, dtype=torch.bool))):
+        stats = token_stats(model, ids, attention, n, with_entropy=True, top_p=0.9, mask=mask)
+        assert stats.logps.shape == (2, n) and not stats.logps.any()
+        stats.logps.sum().backward()  # the loss of such a micro-batch: zero gradient, no error
+        assert all(p.grad is None or not p.grad.any() for p in model.parameters())
