@@ -79,8 +79,6 @@ class LiveBytes(TorchDispatchMode):
         x = args[0] if args and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta" else None
         if x is not None and func in VALUE_OPS:
             return True if x.dtype == torch.bool else 0.0 if x.is_floating_point() else 0
-        if x is not None and func is aten.nonzero.default:  # every position selected
-            return torch.empty(x.numel(), x.dim(), dtype=torch.long, device=x.device)
         out = func(*args, **kwargs)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type == "meta":
@@ -205,7 +203,7 @@ def rehearse(preset: str, gpu, top_p: float = 1.0, prompt_tokens: int = 192, say
         say(f"{name}: {tracked / GiB:.3f} GB counted, {planned_gb:.3f} GB planned")
 
     counter = LiveBytes()
-    # a boolean index inside a meta kernel selects every position too
+    # which positions are real (a mask's nonzero, a boolean index): all of them, the costliest answer
     with torch.fx.experimental._config.patch(meta_nonzero_assume_all_nonzero=True), counter:
         policy = meta_policy(shape, dtype, cfg)
         inner = policy.get_base_model()

@@ -70,7 +70,8 @@ def kept_logmass(logits: torch.Tensor, targets: torch.Tensor, top_p: float,
     No sort of the vocabulary (a float and an int64 index per entry, and a slow kernel at 150K entries): the
     nucleus is found among each row's `NUCLEUS_TOP_K` most likely tokens, and a row whose nucleus is wider
     than that has its threshold bisected over its full row. Beside `logits`, a few [c, k] tensors and, for
-    bisected rows only, two [rows, V] floats and a mask (9 bytes an entry; plan.LOGPROB_BYTES counts them). The kept set is `nucleus`'s (ties aside).
+    bisected rows only, two [rows, V] floats and a mask (`memory.LOGPROB_BYTES` counts them). The kept set is
+    `nucleus`'s, ties aside.
 
     >>> logits = torch.tensor([[0.5, 0.3, 0.2]]).log()
     >>> [round(kept_logmass(logits, torch.tensor([t]), 0.7).exp().item(), 4) for t in (0, 2)]

@@ -270,7 +270,7 @@ class StaticDecoder:
             if last is None:
                 last = logits.new_empty(R, logits.shape[-1])  # [R, V]
             rows = slice(first * G, (first + g) * G)
-            last[rows] = logits.repeat_interleave(G, dim=0)
+            last[rows].view(g, G, -1).copy_(logits[:, None])  # [g, G, V]: each prompt's to its G rows
             for i, layer in enumerate(cache.layers):  # each prompt's cache broadcast to its G rows, no copy made
                 for kept, new in ((s["keys"][i], layer.keys), (s["values"][i], layer.values)):
                     kept[rows, :, :longest].view(g, G, *new.shape[1:]).copy_(new[:, None])
