@@ -145,16 +145,16 @@ def make_generator(cfg, model, tokenizer, plan, dtype: torch.dtype, say=print) -
                                    max_rows=cfg.num_generations * cfg.prompts_per_step,
                                    gpu_memory_utilization=plan.engine_share, sleep=plan.sleep,
                                    dtype=dtype)
-    except Exception as error:
+    except Exception as error:  # only its message leaves: its traceback pins the half-built engine's frames
         why = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
-        gc.collect()  # what the engine had allocated before it failed goes back to the trainer
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
         if cfg.generator != "auto":
             raise SetupError(f"the vLLM engine could not start ({why}). Train with --generator hf, which needs "
                              f"no engine, or see `minigrpo doctor`.") from error
-        say(f"[yellow]the vLLM engine could not start ({why}); generating with transformers instead[/]")
-        return HFGenerator(model, tokenizer, report_logprobs=not exact, decoder=cfg.decoder, say=say)
+    gc.collect()  # out of the except block, what the engine had allocated can go back to the trainer
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    say(f"[yellow]the vLLM engine could not start ({why}); generating with transformers instead[/]")
+    return HFGenerator(model, tokenizer, report_logprobs=not exact, decoder=cfg.decoder, say=say)
 
 
 def first_rollout_problem(model, tokenizer, cfg: TrainConfig, prompt: str = "Count from one to ten.") -> str | None:

@@ -272,6 +272,36 @@ def test_an_engine_that_cannot_start_gives_way_to_transformers_with_auto(monkeyp
                                torch.float32, said.append)
 
 
+def test_a_failed_engines_memory_is_free_before_the_fallback_is_built(monkeypatch, tiny_model_path, policy):
+    """The failed start's traceback holds its frames, and with them what the engine had allocated: the fallback
+    (which may build a dense copy of the base) is made only after that is gone, not inside the `except`."""
+    import weakref
+
+    from minigrpo import startup
+    from minigrpo.generate.vllm_engine import VLLMGenerator
+
+    class Engine:  # stands in for a half-built engine's memory, referenced only by the failing frame
+        pass
+
+    held = []
+
+    def fails(*args, **kwargs):
+        engine = Engine()
+        held.append(weakref.ref(engine))
+        raise RuntimeError("CUDA out of memory while profiling")
+
+    alive_at_fallback = []
+    real = startup.HFGenerator
+    monkeypatch.setattr(VLLMGenerator, "start", fails)
+    monkeypatch.setattr(startup, "vllm_available", lambda: True)
+    monkeypatch.setattr(startup, "HFGenerator", lambda *a, **kw: alive_at_fallback.append(held[0]() is not None)
+                        or real(*a, **kw))
+    plan = make_plan(preset_shape("qwen-1.5b"), CARDS["4090"], preset_settings("qwen-1.5b"))
+    startup.make_generator(TrainConfig(generator="auto"), policy, _tokenizer(tiny_model_path), plan, torch.float32,
+                           lambda _: None)
+    assert alive_at_fallback == [False]
+
+
 def _tokenizer(path):
     from minigrpo.model import load_tokenizer
 
