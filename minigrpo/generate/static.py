@@ -26,6 +26,7 @@ says why and the caller decodes as before.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -292,18 +293,40 @@ class StaticDecoder:
     def _capture(self, s: dict, sampling: Sampling, adapters: bool):
         """One decode step recorded as a CUDA graph; its state is restored, so the capture decodes nothing."""
         saved = {k: v.clone() for k, v in s.items() if isinstance(v, torch.Tensor) and k not in ("rotary", "eos")}
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up on a side stream, as capture requires
+        with rng_kept(self.inner.device):  # the warm-up draws, so a run's samples don't depend on when it captured
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up on a side stream, as capture requires
+                    self._step(s, sampling, adapters)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
                 self._step(s, sampling, adapters)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._step(s, sampling, adapters)
         for k, v in saved.items():
             s[k].copy_(v)
         return graph
+
+
+@contextlib.contextmanager
+def rng_kept(device: torch.device):
+    """The device's random state as it was before the block: steps run only to warm up or capture a graph leave the
+    stream of draws where it was, so a resumed run (which captures at a different step) samples as the original.
+
+    >>> _ = torch.manual_seed(1)
+    >>> with rng_kept(torch.device("cpu")):
+    ...     _ = torch.rand(5)
+    >>> first = torch.rand(1)
+    >>> _ = torch.manual_seed(1)
+    >>> bool(torch.rand(1) == first)
+    True
+    """
+    cuda = device.type == "cuda"
+    state = torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.cuda.set_rng_state(state, device) if cuda else torch.set_rng_state(state)
 
 
 def _has_mixed_bmm(device: torch.device) -> bool:
