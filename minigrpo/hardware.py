@@ -27,6 +27,7 @@ class Gpu:
     host_gb: float | None = None  # the machine's RAM in GiB; the sleeping vLLM engine keeps its weights there
     driver: str = ""  # nvidia driver version, e.g. "550.54.15"
     cuda_driver: tuple[int, int] | None = None  # highest CUDA version the driver runs, e.g. (12, 4)
+    taken_gb: float = 0.0  # not free when measured (a display, another process; this one's CUDA context); a named card: 0
 
     @property
     def sm(self) -> str:
@@ -77,8 +78,9 @@ def this_gpu() -> Gpu | None:
             cuda_driver = (int(found.group(1)), int(found.group(2))) if found else None
         except (OSError, subprocess.SubprocessError):
             pass
+    free, total = torch.cuda.mem_get_info(0)
     return Gpu(props.name, (props.major, props.minor), props.total_memory / 2**30, host_memory_gb(), driver,
-               cuda_driver)
+               cuda_driver, (total - free) / 2**30)
 
 
 def host_memory_gb() -> float | None:

@@ -93,6 +93,7 @@ class Plan:
     advice: list[str] = field(default_factory=list)
     checkpointing: bool = True  # gradient checkpointing: activations recomputed in backward
     dense_gb: float = 0.0  # the fixed-shape decoder's dense copy of a 4-bit base (included in trainer_gb)
+    taken_gb: float = 0.0  # of the card, held by other processes when planned (`usable_gb`)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -105,7 +106,8 @@ class Plan:
                 f"{self.kv_tokens} tokens{', asleep while training' if self.sleep else ''})")
         if not self.total_gb:  # a cpu: no card to fill
             return f"cpu, {self.dtype}, {engine}, gradient checkpointing {'on' if self.checkpointing else 'off'}"
-        verdict = "fits" if self.fits else "does NOT fit"
+        verdict = ("fits" if self.fits else "does NOT fit") + (
+            f" ({self.taken_gb:.1f} GB of it held by others)" if self.taken_gb > 0.05 else "")
         return (f"{self.card}, {self.dtype}, {engine}; estimated peak {self.peak_gb:.1f} of {self.total_gb:.1f} GB: "
                 f"{verdict}")
 
@@ -125,7 +127,8 @@ def make_plan(shape, gpu: Gpu | None, s: Settings, vllm_installed: bool = True, 
     name, total = (gpu.name, gpu.total_gb) if gpu else ("cpu", 0.0)
     dense = (sizes.linear + sizes.fused_lora_per_rank * s.lora_rank) * nbytes / GiB * s.load_in_4bit  # the fixed-shape
     # decoder's dense copy of a 4-bit base and its adapter's stacked copy,
-    dense *= not gpu or dense <= (total - trainer) / 2  # unless it is over half the free card (StaticDecoder.build)
+    dense *= not gpu or dense <= (total - max(gpu.taken_gb, CUDA_CONTEXT_GB) - trainer) / 2  # unless it is over
+    # half of what is free once the trainer is loaded (StaticDecoder.build)
     hf = Plan(name, total, dtype_name(dtype), dtype_reason, "hf", "", trainer + dense, hf_step,
               peak_gb=trainer + dense + hf_step, checkpointing=s.checkpointing, dense_gb=dense)
 
@@ -181,7 +184,7 @@ def engine_plan(sizes: Sizes, gpu: Gpu, s: Settings, nbytes: int, trainer: float
                  + s.rows * sizes.vocab * 4 * 2) / GiB  # the largest forward's activations; the sampler's logits
     weights = (sizes.total + sizes.lora_per_rank * rank) * nbytes / GiB  # the 16-bit base and one LoRA slot
     fixed = weights + workspace + ENGINE_OVERHEAD_GB + ENGINE_MARGIN_GB
-    budget = BUDGET * gpu.total_gb
+    budget = usable_gb(gpu)
     room = budget - trainer - fixed  # what is left for the cache while the engine is awake
     min_tokens = s.max_prompt_tokens + s.new_tokens  # vLLM refuses to start without room for one full sequence
     want_tokens = s.prompts * s.prompt_tokens + s.rows * s.new_tokens  # every row at once; prompts shared by G
@@ -222,12 +225,26 @@ FLAGS = {"micro_batch_size": "--micro-batch-size", "generator": "--generator", "
          "prompts": "--prompts-per-step", "eval_prompts": "--eval-prompts"}
 
 
+def usable_gb(gpu: Gpu) -> float:
+    """What a plan may fill: `BUDGET` of the card, less what others held when it was measured (a 3090 driving a
+    display has 0.3-1.5 GB taken; vLLM's start check counts only free memory). The trainer's own CUDA context is
+    in `taken_gb` and is planned for already (`CUDA_CONTEXT_GB`).
+
+    >>> from minigrpo.hardware import CARDS
+    >>> import dataclasses
+    >>> round(usable_gb(CARDS["3090"]), 2), round(usable_gb(dataclasses.replace(CARDS["3090"], taken_gb=1.5)), 2)
+    (22.08, 21.08)
+    """
+    return BUDGET * gpu.total_gb - max(0.0, gpu.taken_gb - CUDA_CONTEXT_GB)
+
+
 def finish(plan: Plan, gpu: Gpu, s: Settings, shape, advise: bool) -> Plan:
     """Fill the dtype and the verdict, and where the run does not fit, the settings that would."""
     dtype, reason = compute_dtype(gpu, s.dtype)
     plan.dtype, plan.dtype_reason, plan.checkpointing = dtype_name(dtype), reason, s.checkpointing
+    plan.taken_gb = gpu.total_gb * BUDGET - usable_gb(gpu)
     if plan.generator == "hf":
-        plan.fits = plan.peak_gb <= BUDGET * gpu.total_gb
+        plan.fits = plan.peak_gb <= usable_gb(gpu)
     if plan.fits or not advise:
         return plan
     for smaller in smaller_settings(s):

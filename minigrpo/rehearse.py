@@ -5,11 +5,11 @@ same sizes, and counts the bytes alive after every op, so each term of the plan 
 allocates (tests/test_rehearsal.py) instead of to a reading of it. The model is built from its preset's config as
 a run builds it on a card (a 4-bit NF4 base with double-quantized scales, 16-bit embeddings, LoRA on every
 block projection, gradient checkpointing, SDPA attention, the card's compute dtype), with every tensor on torch's
-`meta` device: shapes, dtypes and storage sizes, no data, so a 3B model's step runs in seconds on a laptop.
+`meta` device: shapes, dtypes and storage sizes, no data, so a 3B model's step runs in seconds on a CPU.
 bitsandbytes' 4-bit ops have meta kernels of their own. Then, each under the counter: the update of one
 micro-batch (`update.policy_update`: the reference pass, the trainer's log-probs, the loss, backward, AdamW),
-the log-prob head alone, the trunk's forward and backward alone, and the fixed-shape decoder's dense copy,
-state and prefill for a training rollout and for the held-out evaluation.
+one SFT step (`sft.sft_step`), the log-prob head alone, the trunk's forward and backward alone, and the
+fixed-shape decoder's dense copy, state and prefill for a training rollout and for the held-out evaluation.
 
 Why `meta` and not fake CUDA tensors (`FakeTensorMode`): Python indexing of a fake CUDA tensor needs CUDA's
 device guard, which a CPU-only torch lacks, and a model indexes everywhere. The code's choices for a card are
@@ -185,6 +185,7 @@ def rehearse(preset: str, gpu, top_p: float = 1.0, prompt_tokens: int = 192, say
     from minigrpo.config import TrainConfig, preset_shape
     from minigrpo.hardware import compute_dtype
     from minigrpo.logprobs import HeadLogprobs, positions
+    from minigrpo.sft import sft_step
     from minigrpo.plan import ADAPTER_BYTES, Settings, Sizes, StepMemory, make_plan, weights_gb
     from minigrpo.update import micro_batches, policy_update
 
@@ -247,11 +248,14 @@ def rehearse(preset: str, gpu, top_p: float = 1.0, prompt_tokens: int = 192, say
                                 completion_ids=[[0] * T] * micro, truncated=[False] * micro, model_masks=None,
                                 sampler_logps=[[0.0] * T] * micro if top_p < 1 else None)
         mb = micro_batches(dataclasses.replace(cfg, num_generations=micro // len(batch.prompt_ids)), batch, 0, "meta")
-        scaler = torch.amp.GradScaler("cuda", enabled=False)
+        scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)  # a T4 scales float16 losses
         update = lambda: policy_update(cfg, policy, mb, torch.zeros(micro), optimizer, scaler)  # noqa: E731
         row(f"one micro-batch's update ({micro} rows: log-probs, loss, backward, AdamW)",
             peak_above(counter, update), memory.training_gb(micro, Lp, T) + sizes.lora_per_rank * cfg.lora_rank * 4 / GiB)
 
+        sft = lambda: sft_step(cfg, policy, [([0] * Lp, [0] * T)] * micro, 0, optimizer, scaler)  # noqa: E731
+        row(f"one SFT step ({micro} examples of {Lp} + {T} tokens)", peak_above(counter, sft),
+            memory.training_gb(micro, Lp, T) + sizes.lora_per_rank * cfg.lora_rank * 4 / GiB)
         _decoder_parts(policy, counter, dtype, s, memory, cfg, plan.dense_gb, row)
     return rows
 

@@ -90,10 +90,23 @@ def sized_for(cfg: TrainConfig, examples: list[Example], data: Path) -> tuple[To
     return rows, settle.for_sft(cfg, max(len(p) for p, _ in rows), max(len(c) for _, c in rows))
 
 
+def sft_step(cfg: TrainConfig, model, batch: TokenRows, pad_id: int, optimizer, scaler) -> tuple[float, int, str]:
+    """One optimizer step on a micro-batch of examples: the mean NLL of their completion tokens. Returns the loss,
+    the tokens it averaged over, and `update.apply_update`'s outcome ("applied", or why it was skipped)."""
+    from minigrpo.logprobs import pad_batch, token_logprobs
+    from minigrpo.update import apply_update
+
+    ids, attention, mask = pad_batch(batch, pad_id, model.device)
+    logps = token_logprobs(model, ids, attention, mask.shape[1], 1.0, cfg.logprob_chunk_size)  # [b, n]
+    loss = -torch.where(mask, logps, 0).sum() / mask.sum()  # mean NLL of the completion tokens
+    scaler.scale(loss).backward()
+    value = loss.item()
+    return value, int(mask.sum().item()), apply_update(optimizer, scaler, cfg.max_grad_norm, value)[1]
+
+
 def sft(cfg: TrainConfig, data: Path, out: Path, epochs: int = 3, say=print) -> Path:
     """Train the adapter on `data` for `epochs` passes; write it to out/adapter and the record to out/sft.json."""
-    from minigrpo.model import default_dtype, lora_parameters, seed_everything
-    from minigrpo.logprobs import pad_batch, token_logprobs
+    from minigrpo.model import lora_parameters, seed_everything
     from minigrpo.run import usable_or_fail
     from minigrpo.startup import load_for_training
 
@@ -101,9 +114,13 @@ def sft(cfg: TrainConfig, data: Path, out: Path, epochs: int = 3, say=print) -> 
     usable_or_fail(Path(out), "--out", may_hold_results=False)
     seed_everything(cfg.seed)
     rows, cfg = sized_for(cfg, examples, Path(data))
-    loaded = load_for_training(cfg, say, longest_prompt=cfg.max_prompt_tokens)
+    loaded = load_for_training(cfg, say, longest_prompt=cfg.max_prompt_tokens, generate=False)
     model, tokenizer, cfg = loaded.model, loaded.tokenizer, loaded.cfg
     optimizer = torch.optim.AdamW(lora_parameters(model), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    # as in GRPO's update: float16 gradients scaled up so they do not underflow, and a step whose loss or
+    # gradients are not finite skipped rather than written into the adapter and AdamW's moments
+    scaler = torch.amp.GradScaler(model.device.type, enabled=loaded.dtype == torch.float16)
+    skipped = {"overflow": 0, "nonfinite": 0}
     order, losses, started = list(range(len(rows))), [], time.perf_counter()
     model.train()
     for epoch in range(1, epochs + 1):
@@ -111,14 +128,14 @@ def sft(cfg: TrainConfig, data: Path, out: Path, epochs: int = 3, say=print) -> 
         total, tokens = 0.0, 0
         for start in range(0, len(order), cfg.micro_batch_size):
             batch = [rows[i] for i in order[start:start + cfg.micro_batch_size]]
-            ids, attention, mask = pad_batch(batch, tokenizer.pad_token_id, model.device)
-            logps = token_logprobs(model, ids, attention, mask.shape[1], 1.0, cfg.logprob_chunk_size)  # [b, n]
-            loss = -torch.where(mask, logps, 0).sum() / mask.sum()  # mean NLL of the completion tokens
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(lora_parameters(model), cfg.max_grad_norm or float("inf"))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            total, tokens = total + loss.item() * mask.sum().item(), tokens + mask.sum().item()
+            loss, n, outcome = sft_step(cfg, model, batch, tokenizer.pad_token_id, optimizer, scaler)
+            if outcome != "applied":
+                skipped[outcome] += 1
+                continue
+            total, tokens = total + loss * n, tokens + n
+        if not tokens:
+            raise ValueError(f"every step of SFT epoch {epoch} had a loss or gradients that are not finite: this "
+                             f"model overflows in {loaded.dtype}; run it with --dtype float32")
         losses.append(total / max(tokens, 1))
         say(f"epoch {epoch}/{epochs}: completion loss {losses[-1]:.3f} (mean NLL per token)")
     Path(out).mkdir(parents=True, exist_ok=True)
@@ -127,6 +144,7 @@ def sft(cfg: TrainConfig, data: Path, out: Path, epochs: int = 3, say=print) -> 
               "learning_rate": cfg.learning_rate, "lora_rank": cfg.lora_rank, "losses": losses,
               "longest_tokens": cfg.max_prompt_tokens + cfg.max_new_tokens,
               "gradient_checkpointing": cfg.gradient_checkpointing,
-              "seconds": round(time.perf_counter() - started, 1), "dtype": str(default_dtype(cfg.dtype))}
+              "seconds": round(time.perf_counter() - started, 1), "dtype": str(loaded.dtype),
+              "skipped_steps": skipped}
     (Path(out) / "sft.json").write_text(json.dumps(record, indent=2) + "\n")
     return Path(out) / "adapter"

@@ -37,7 +37,7 @@ class SetupError(RuntimeError):
 class Loaded:
     model: object  # the PEFT policy
     tokenizer: object
-    generator: Generator
+    generator: Generator | None
     dtype: torch.dtype
     plan: Plan
     cfg: TrainConfig  # as the plan settled it
@@ -82,9 +82,10 @@ def check_lengths(cfg: TrainConfig, task: Task, tokenizer, context: int | None) 
 
 
 def load_for_training(cfg: TrainConfig, say=print, task: Task | None = None,
-                      longest_prompt: int | None = None) -> Loaded:
-    """The policy, tokenizer and generator; with `task`, its prompts are checked against the budgets first (with
-    `longest_prompt`, the memory is planned for prompts that long)."""
+                      longest_prompt: int | None = None, generate: bool = True) -> Loaded:
+    """The policy, tokenizer and generator (none without `generate`: SFT samples nothing, and a fixed-shape
+    decoder would hold a dense copy of a 4-bit base); with `task`, its prompts are checked against the budgets
+    first (with `longest_prompt`, the memory is planned for prompts that long)."""
     from transformers import AutoConfig
 
     gpu = this_gpu()
@@ -114,7 +115,8 @@ def load_for_training(cfg: TrainConfig, say=print, task: Task | None = None,
         dtype = torch.float32
         plan = plan_run(cfg, model_config, gpu, say, dtype="float32", prompt_tokens=longest)
         model = _load(cfg, weights, dtype, say)
-    return Loaded(model, tokenizer, make_generator(cfg, model, tokenizer, plan, dtype, say), dtype, plan, cfg)
+    generator = make_generator(cfg, model, tokenizer, plan, dtype, say) if generate else None
+    return Loaded(model, tokenizer, generator, dtype, plan, cfg)
 
 
 def _load(cfg: TrainConfig, weights: str, dtype: torch.dtype, say):

@@ -239,3 +239,38 @@ def test_an_adapter_folder_that_cannot_serve_is_one_line_before_the_model_loads(
         said = " ".join(result.output.split())
         assert result.exit_code in (1, 2) and f"{flag} {folder}" in said and says in said, result.output
         assert "loading" not in said and "Traceback" not in said and not (tmp_path / "run").exists()
+
+
+def test_sft_builds_no_generator_and_skips_a_step_that_is_not_finite(tmp_path, monkeypatch):
+    """SFT samples nothing, so it builds no generator (a fixed-shape decoder's dense copy of a 4-bit base is
+    gigabytes); a step whose loss is not finite (float16 overflowing) is skipped, not written into the adapter."""
+    import torch
+    from safetensors.torch import load_file
+
+    import minigrpo.logprobs
+    from minigrpo import startup
+    from minigrpo.config import TrainConfig
+    from minigrpo.sft import sft
+
+    def no_generator(*args, **kwargs):
+        raise AssertionError("SFT built a generator")
+
+    real = minigrpo.logprobs.token_logprobs
+    calls = []
+
+    def first_overflows(*args, **kwargs):  # the first micro-batch's log-probs overflow, as float16's can
+        logps = real(*args, **kwargs)
+        calls.append(1)
+        return logps * float("nan") if len(calls) == 1 else logps
+
+    monkeypatch.setattr(startup, "make_generator", no_generator)
+    monkeypatch.setattr(minigrpo.logprobs, "token_logprobs", first_overflows)
+    rows = [{"prompt": f"What is {a} + {b}?", "completion": f"{a + b}"} for a in range(3) for b in range(3)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    adapter = sft(TrainConfig(micro_batch_size=4, learning_rate=1e-3), tmp_path / "rows.jsonl", tmp_path / "out",
+                  epochs=1, say=lambda _: None)
+    weights = load_file(str(adapter / "adapter_model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in weights.values())
+    assert any(t.abs().sum() > 0 for name, t in weights.items() if "lora_B" in name), "the finite steps applied"
+    record = json.loads((tmp_path / "out" / "sft.json").read_text())
+    assert record["skipped_steps"] == {"overflow": 0, "nonfinite": 1} and len(calls) == 3

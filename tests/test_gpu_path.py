@@ -604,3 +604,21 @@ def test_the_gpu_checks_stage_limits_add_up_to_under_ten_minutes():
     text = (Path(__file__).parent.parent / "scripts" / "gpu_check.sh").read_text()
     limits = [int(x) for x in re.findall(r"^\s*stage \w+ (?:\$\{\w+:-)?(\d+)", text, re.M)]
     assert len(limits) == 8 and sum(limits) <= 600 - 20, limits
+
+
+def test_the_plan_leaves_what_others_hold_on_the_card(monkeypatch):
+    """A card driving a display (or shared) has memory taken before the run starts, and vLLM's start check counts
+    only what is free: the run's peak and what others hold stay within what a plan may fill (here the engine's
+    cache gives way: a share of 0.70 with the card to itself, 0.63 with 1.5 GB taken)."""
+    import dataclasses
+
+    from minigrpo.plan import BUDGET, CUDA_CONTEXT_GB
+
+    settings = dataclasses.replace(preset_settings("llama-3.2-3b"), new_tokens=2048)
+    for taken in (0.0, 1.5):
+        gpu = dataclasses.replace(CARDS["4060ti"], taken_gb=taken)
+        plan = make_plan(preset_shape("llama-3.2-3b"), gpu, settings)
+        others = max(0.0, taken - CUDA_CONTEXT_GB)
+        assert plan.generator == "vllm" and plan.fits
+        assert plan.peak_gb + others <= BUDGET * gpu.total_gb + 1e-6, taken
+    assert "1.0 GB of it held by others" in plan.summary()

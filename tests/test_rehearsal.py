@@ -16,7 +16,7 @@ from minigrpo.rehearse import rehearse
 def test_the_plan_covers_each_part_of_a_step_by_at_most_15_percent(preset, card, top_p):
     parts = rehearse(preset, CARDS[card], top_p)
     names = " ".join(p.name for p in parts)
-    for what in ("weights", "LoRA", "activations", "log-prob buffers", "update", "dense copy",
+    for what in ("weights", "LoRA", "activations", "log-prob buffers", "update", "SFT step", "dense copy",
                  "state for a training rollout", "prefill for the held-out evaluation"):
         assert what in names, names
     wrong = [f"{p.name}: counted {p.tracked_gb:.4f}, planned {p.planned_gb:.4f}" for p in parts
