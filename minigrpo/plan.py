@@ -233,7 +233,7 @@ def usable_gb(gpu: Gpu) -> float:
     >>> from minigrpo.hardware import CARDS
     >>> import dataclasses
     >>> round(usable_gb(CARDS["3090"]), 2), round(usable_gb(dataclasses.replace(CARDS["3090"], taken_gb=1.5)), 2)
-    (22.08, 21.08)
+    (21.79, 20.79)
     """
     return BUDGET * gpu.total_gb - max(0.0, gpu.taken_gb - CUDA_CONTEXT_GB)
 
