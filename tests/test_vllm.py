@@ -210,3 +210,21 @@ def test_train_an_episode_task_with_vllm(tmp_path):
     # (whether a game goes past its first guess is up to the model; a turn after the environment's answer is
     # checked on this engine above, with a given first turn)
 
+
+
+def test_a_projection_whose_adapter_the_engine_lacks_fails_the_sync_by_name(setup):
+    """One projection's adapter missing from what reaches the engine (a peer kit's bug: shapes all checked, one
+    layer silently served the base) stops the sync naming it; a weight no engine layer takes does too."""
+    policy, _, engine = setup
+    from minigrpo.generate.vllm_engine import lora_weights
+
+    weights = lora_weights(policy)
+    name = "model.layers.3.self_attn.k_proj"
+    engine.pending = {k: v for k, v in weights.items() if k != name}
+    with pytest.raises(RuntimeError, match=f"no weights for the engine's {name}"):
+        engine._write_pending()
+    engine.pending = {**weights, "model.layers.99.mlp.up_proj": weights["model.layers.0.mlp.up_proj"]}
+    with pytest.raises(RuntimeError, match="no engine layer for the trainer's model.layers.99.mlp.up_proj"):
+        engine._write_pending()
+    engine.sync(policy)  # the whole adapter: written
+    assert engine.pending is None

@@ -212,10 +212,13 @@ class VLLMGenerator:
     def _write_pending(self) -> None:
         if self.pending is None:
             return
-        written = self.llm.collective_rpc(_write_lora, args=(LORA_ID, self.pending))
-        if min(written) == 0:
-            raise RuntimeError("the vLLM engine took none of the adapter's weights: its LoRA layers did not "
-                               "match the trainer's module names")
+        for missing, unused in self.llm.collective_rpc(_write_lora, args=(LORA_ID, self.pending)):
+            # every LoRA layer of the engine written, every adapter weight taken: a projection whose adapter
+            # never reaches the engine passes every shape check and silently samples from another policy
+            said = ([f"no weights for the engine's {_few(missing)}"] if missing else []) + (
+                [f"no engine layer for the trainer's {_few(unused)}"] if unused else [])
+            if said:
+                raise RuntimeError(f"the vLLM engine's LoRA layers and the trainer's adapter differ: {'; '.join(said)}")
         self.llm.reset_prefix_cache()  # cached kv blocks were computed with the old adapter
         self.pending = None
 
@@ -235,6 +238,10 @@ class VLLMGenerator:
             self.asleep = True
 
 
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
 def lora_weights(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{"model.layers.0.self_attn.q_proj": (A [r, in], B x scaling [out, r])} from a PEFT model."""
     weights = {}
@@ -247,23 +254,30 @@ def lora_weights(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     return weights
 
 
-def _write_lora(worker, lora_id: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
-    """Runs inside the engine's worker: fill the adapter's slot in every LoRA layer. Returns layers written."""
+def _write_lora(worker, lora_id: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+                ) -> tuple[list[str], list[str]]:
+    """Runs inside the engine's worker: fill the adapter's slot in every LoRA layer. Returns the engine's
+    projections that had no weights (a packed layer names its missing parts) and the weights no layer took."""
     manager = worker.model_runner.lora_manager._adapter_manager
     if lora_id not in manager.lora_index_to_id:
         manager.activate_adapter(lora_id)  # registered at start but evicted from its slot: put it back
     index = manager.lora_index_to_id.index(lora_id)
-    written = 0
+    targets = {key.rpartition(".")[2] for key in weights}  # the kinds of projection the adapter has
+    missing, taken = [], set()
     for name, layer in manager.modules.items():
         prefix, _, last = name.rpartition(".")
         packed = manager.packed_modules_mapping.get(last)  # qkv_proj -> [q_proj, k_proj, v_proj]
-        parts = [weights.get(f"{prefix}.{sub}") for sub in (packed or [last])]
+        names = [f"{prefix}.{sub}" for sub in (packed or [last])]
+        if not targets & {n.rpartition(".")[2] for n in names}:
+            continue  # a kind the adapter does not train (the engine wraps embeddings and the head as well)
+        parts = [weights.get(n) for n in names]
         if any(part is None for part in parts):
+            missing += [n for n, part in zip(names, parts) if part is None]
             continue
+        taken.update(names)
         device = layer.lora_a_stacked[0].device
         dtype = layer.lora_a_stacked[0].dtype
         a = [p[0].to(device, dtype) for p in parts]
         b = [p[1].to(device, dtype) for p in parts]
         adapt_set_lora(layer.set_lora)(index, a if packed else a[0], b if packed else b[0])
-        written += 1
-    return written
+    return missing, sorted(set(weights) - taken)
