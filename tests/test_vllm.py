@@ -228,3 +228,22 @@ def test_a_projection_whose_adapter_the_engine_lacks_fails_the_sync_by_name(setu
         engine._write_pending()
     engine.sync(policy)  # the whole adapter: written
     assert engine.pending is None
+
+
+def test_the_engines_base_is_exported_once_and_found_again(tiny_model_path, tmp_path, monkeypatch):
+    """A stable folder keyed by the weights' origin, quantization and dtype: the second start of the same base
+    writes nothing (vLLM's compile cache then finds it too); another dtype is another folder."""
+    import minigrpo.generate.vllm_engine as engine_module
+
+    monkeypatch.setenv("MINIGRPO_CACHE", str(tmp_path))
+    policy = load_policy(TrainConfig(lora_rank=4, load_in_4bit=True), tiny_model_path, torch.float32)
+    tokenizer = load_tokenizer(tiny_model_path)
+    exports = []
+    real = engine_module.export_weights
+    monkeypatch.setattr(engine_module, "export_weights", lambda *a, **kw: exports.append(1) or real(*a, **kw))
+    first = engine_module.engine_base(policy, tokenizer, torch.float32)
+    again = engine_module.engine_base(policy, tokenizer, torch.float32)
+    other = engine_module.engine_base(policy, tokenizer, torch.bfloat16)
+    assert first == again != other and len(exports) == 2
+    assert (first / "model.safetensors.index.json").exists() and first.parent == tmp_path / "engine-bases"
+    assert sorted(p.name for p in first.parent.iterdir()) == sorted([first.name, other.name]), "no partial left"

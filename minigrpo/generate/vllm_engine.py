@@ -1,9 +1,9 @@
 """Generation on a vLLM engine in the trainer's own process, updated in place after every optimizer step.
 
 How the engine stays the current policy without reloads:
-- its base weights are the trainer's own base (the 4-bit weights dequantized), written once at start into
-  a temporary folder the engine loads: current vLLM has no bitsandbytes loader, and both sides then compute
-  the same base;
+- its base weights are the trainer's own base (the 4-bit weights dequantized), written once into a folder
+  the engine loads and kept for the next run of that base (`engine_base`): current vLLM has no bitsandbytes
+  loader, and both sides then compute the same base;
 - the trainer's LoRA weights go straight into the engine's adapter slots (`set_lora` on each LoRA layer,
   through `collective_rpc`), scaling folded into B and q/k/v and gate/up packed as the engine packs them:
   no disk write, no restart, a few milliseconds for a small adapter. Merged full weights cannot be pushed
@@ -97,12 +97,52 @@ def quiet_vllm() -> None:
     logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())  # imported before: set it now
 
 
+EXPORT_FORMAT = 1  # bump when export_weights writes a base differently: cached bases of older formats are not read
+
+
+def engine_base(model, tokenizer, dtype: torch.dtype) -> Path:
+    """The folder the engine loads: the trainer's base as `export_weights` writes it, kept under the cache and
+    keyed by where the weights came from (the hub's commit, or a local folder's files), their quantization and
+    the dtype. A later run of the same base reuses it: no gigabytes written per start (on tmpfs they would sit in
+    RAM), and vLLM's compile cache, keyed by the model's path among others, finds its kernels again. Written to
+    a folder of its own and renamed into place whole, so a run stopped mid-export leaves nothing to be read."""
+    import hashlib
+    import json
+    import shutil
+
+    from minigrpo.weights import cache_dir
+
+    config = model.get_base_model().config
+    source = str(config._name_or_path)
+    files = sorted(Path(source).glob("*.safetensors")) + sorted(Path(source).glob("*.bin")) \
+        if Path(source).is_dir() else []
+    origin = getattr(config, "_commit_hash", None) or [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    quantized = getattr(config, "quantization_config", None)
+    key = json.dumps([source, origin, str(dtype), quantized.to_dict() if hasattr(quantized, "to_dict") else None,
+                      EXPORT_FORMAT], sort_keys=True, default=str)
+    folder = cache_dir() / "engine-bases" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    if (folder / "model.safetensors.index.json").exists():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    try:
+        export_weights(model, tokenizer, partial, dtype, merge_adapter=False)
+        (partial / "minigrpo-base.json").write_text(key + "\n")  # what it is the base of
+        partial.rename(folder)
+    except OSError:
+        if not (folder / "model.safetensors.index.json").exists():  # not another run's finished export
+            raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return folder
+
+
 class VLLMGenerator:
     """The generator interface (`generation.Generator`) on a colocated vLLM engine."""
 
     def __init__(self, llm, lora_request, *, sleep: bool, seed: int, folder=None):
         self.llm, self.lora = llm, lora_request
-        self.folder = folder  # the exported base and the adapter's shape, removed at close
+        self.folder = folder  # the adapter's shape, removed at close (the base stays cached: `engine_base`)
         self.sleep_between = sleep
         self.asleep = False
         self.pending = None  # LoRA weights written at the next wake-up (`sync` before `generate`)
@@ -121,8 +161,7 @@ class VLLMGenerator:
 
         on_gpu = torch.cuda.is_available()
         folder = tempfile.TemporaryDirectory(prefix="minigrpo-engine-")
-        base_dir, adapter_dir = Path(folder.name) / "base", Path(folder.name) / "adapter"
-        export_weights(model, tokenizer, base_dir, dtype, merge_adapter=False)
+        base_dir, adapter_dir = engine_base(model, tokenizer, dtype), Path(folder.name) / "adapter"
         model.save_pretrained(adapter_dir)  # registers the adapter's shape once; its values come by sync
         rank = next((r for r in VLLM_LORA_RANKS if r >= lora_rank), lora_rank)
         share = {"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization else {}
