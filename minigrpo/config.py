@@ -51,7 +51,7 @@ PRESETS: dict[str, ModelPreset] = {
         "qwen2", dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                       intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True)),
     "qwen-3b": ModelPreset(
-        "Qwen/Qwen2.5-3B-Instruct", 32, 1e-5, 8, 2, 512, "T4: the engine sleeps while training",
+        "Qwen/Qwen2.5-3B-Instruct", 32, 1e-5, 8, 2, 512, "T4: on Colab transformers generation (a sleeping engine pins 8.8 GB of RAM)",
         "qwen2", dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
                       intermediate_size=11008, vocab_size=151936, tie_word_embeddings=True)),
     "qwen-7b": ModelPreset(
@@ -63,7 +63,7 @@ PRESETS: dict[str, ModelPreset] = {
         "llama", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                       intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)),
     "llama-3.2-3b": ModelPreset(
-        "meta-llama/Llama-3.2-3B-Instruct", 32, 1e-5, 8, 2, 512, "gated on the hub; T4: the engine sleeps",
+        "meta-llama/Llama-3.2-3B-Instruct", 32, 1e-5, 8, 2, 512, "gated on the hub; T4: as qwen-3b",
         "llama", dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
                       intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)),
 }

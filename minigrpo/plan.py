@@ -206,7 +206,7 @@ def engine_plan(sizes: Sizes, gpu: Gpu, s: Settings, nbytes: int, trainer: float
     awake_peak = trainer + engine
     sleep = trainer + engine + train_step > SLEEP_ABOVE * gpu.total_gb
     training_peak = trainer + train_step + (ENGINE_ASLEEP_GB if sleep else engine)
-    host = sizes.total * nbytes / GiB if sleep else 0.0
+    host = sizes.pinned_gb(nbytes) if sleep else 0.0
     fits = max(awake_peak, training_peak) <= budget and tokens >= min_tokens
     reason = "the engine fits beside the trainer"
     if tokens < min_tokens:
