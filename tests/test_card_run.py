@@ -298,16 +298,17 @@ class _Card:
         return Rollout([[1, 2]] * sampling.n, [False] * sampling.n)
 
 
-@pytest.mark.parametrize("frees_gb,passes", [(3.2, True), (0.0, False)])
+@pytest.mark.parametrize("frees_gb,passes", [(4.8, True), (2.0, False), (0.0, False)])
 def test_the_doctors_sleep_check_measures_an_awake_engine(monkeypatch, frees_gb, passes):
     """Read while it was already asleep, an engine that gives nothing back passed ("freed 0.00 GB"). Awake first,
-    the check measures sleeping itself."""
+    the check measures sleeping itself, against its weights and cache together: dropping the cache (2 GB) while
+    the weights (3 GB) stay on the card does not pass."""
     from minigrpo.cli import doctor
 
     card = _Card(frees_gb)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (card.free, 80 * 2**30))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    check = doctor.check_sleep(card, weights_gb=3.0, prompt=[1, 2, 3])
+    check = doctor.check_sleep(card, weights_gb=3.0, cache_gb=2.0, prompt=[1, 2, 3])
     assert (check.status == doctor.OK) == passes, check
     assert f"freed {frees_gb:.2f} GB" in check.detail, check
 

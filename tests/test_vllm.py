@@ -247,3 +247,11 @@ def test_the_engines_base_is_exported_once_and_found_again(tiny_model_path, tmp_
     assert first == again != other and len(exports) == 2
     assert (first / "model.safetensors.index.json").exists() and first.parent == tmp_path / "engine-bases"
     assert sorted(p.name for p in first.parent.iterdir()) == sorted([first.name, other.name]), "no partial left"
+
+
+def test_the_engine_reports_the_cache_it_allocated(setup, monkeypatch):
+    """What the doctor's sleep check expects sleeping to give back besides the weights: vLLM's cpu build sizes its
+    cache from VLLM_CPU_KVCACHE_SPACE (1 GiB here)."""
+    _, _, engine = setup
+    assert 0.9 < engine.cache_gb() <= 1.0, engine.cache_gb()
+    assert (engine.base / "model.safetensors.index.json").exists()

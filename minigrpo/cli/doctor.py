@@ -193,8 +193,8 @@ def check_engine(policy, tokenizer, dtype: torch.dtype, on_gpu: bool) -> list[Ch
                             f"engine vs trainer: {gap:.2g} per token on a fixed text, {sampled_gap:.2g} on its own "
                             f"samples (limit {GAP_LIMIT})" + ("" if ok else ": the engine is not the policy")))
         if on_gpu:
-            weights = sum(f.stat().st_size for f in (Path(engine.folder.name) / "base").glob("*.safetensors"))
-            checks.append(check_sleep(engine, weights / 2**30, prompt))
+            weights = sum(f.stat().st_size for f in engine.base.glob("*.safetensors"))
+            checks.append(check_sleep(engine, weights / 2**30, engine.cache_gb(), prompt))
     except Exception as error:
         checks.append(Check("adapter sync", FAIL, f"{type(error).__name__}: {str(error)[:300]}"))
     finally:
@@ -202,10 +202,11 @@ def check_engine(policy, tokenizer, dtype: torch.dtype, on_gpu: bool) -> list[Ch
     return checks
 
 
-def check_sleep(engine, weights_gb: float, prompt: list[int]) -> Check:
+def check_sleep(engine, weights_gb: float, cache_gb: float, prompt: list[int]) -> Check:
     """Wake the engine (each `generate` leaves it asleep), read the card's free memory, put it to sleep, read
-    again: what sleeping gives back, which must be at least most of the engine's weights (level 1 moves them
-    to host memory and drops the cache); then that it wakes and generates."""
+    again: what sleeping gives back, which must be most of the engine's weights and key/value cache together
+    (level 1 moves the weights to host memory and drops the cache: the cache alone, often the larger, must not
+    pass); then that it wakes and generates."""
     from minigrpo.generate import Sampling
 
     engine._wake()
@@ -215,10 +216,12 @@ def check_sleep(engine, weights_gb: float, prompt: list[int]) -> Check:
     torch.cuda.synchronize()
     freed = (torch.cuda.mem_get_info()[0] - free_awake) / 2**30
     again = engine.generate([prompt], Sampling(2, 8, 1.0))
-    ok = freed >= 0.8 * weights_gb and bool(again.completion_ids)
-    detail = f"sleeping freed {freed:.2f} GB (its weights: {weights_gb:.2f} GB); woke and generated again"
+    held = weights_gb + cache_gb
+    ok = freed >= 0.8 * held and bool(again.completion_ids)
+    detail = (f"sleeping freed {freed:.2f} GB (its weights {weights_gb:.2f} GB and cache {cache_gb:.2f} GB); woke "
+              f"and generated again")
     return Check("sleep and wake", OK if ok else FAIL, detail if ok else detail + (
-        ": the engine does not give its memory back while training runs" if freed < 0.8 * weights_gb else
+        ": the engine does not give its memory back while training runs" if freed < 0.8 * held else
         ": it did not generate after waking"))
 
 

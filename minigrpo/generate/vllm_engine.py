@@ -140,8 +140,9 @@ def engine_base(model, tokenizer, dtype: torch.dtype) -> Path:
 class VLLMGenerator:
     """The generator interface (`generation.Generator`) on a colocated vLLM engine."""
 
-    def __init__(self, llm, lora_request, *, sleep: bool, seed: int, folder=None):
+    def __init__(self, llm, lora_request, *, sleep: bool, seed: int, folder=None, base: Path | None = None):
         self.llm, self.lora = llm, lora_request
+        self.base = base  # the folder of the base it loaded (`engine_base`)
         self.folder = folder  # the adapter's shape, removed at close (the base stays cached: `engine_base`)
         self.sleep_between = sleep
         self.asleep = False
@@ -169,7 +170,7 @@ class VLLMGenerator:
                   max_lora_rank=rank, max_loras=1, max_model_len=max_model_len, enable_prefix_caching=True,
                   **share, **engine_options(on_gpu, max_rows))
         engine = cls(llm, LoRARequest("policy", LORA_ID, str(adapter_dir)), sleep=sleep and on_gpu, seed=seed,
-                     folder=folder)
+                     folder=folder, base=base_dir)
         try:
             # one token with the adapter registers it and puts it in a slot; from then on sync overwrites the slot
             engine.score([[tokenizer.eos_token_id or 0] * 2], 1)
@@ -222,6 +223,14 @@ class VLLMGenerator:
         self.pending = lora_weights(model)
         if not self.asleep:
             self._write_pending()
+
+    def cache_gb(self) -> float:
+        """The engine's key/value cache, as it allocated it: blocks x tokens a block x layers x keys and values."""
+        config = self.llm.llm_engine.vllm_config
+        model, parallel = config.model_config, config.parallel_config
+        per_token = 2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel) * model.get_head_size()
+        return (config.cache_config.num_gpu_blocks * config.cache_config.block_size * per_token
+                * model.dtype.itemsize / 2**30)
 
     def state_dict(self) -> dict:
         return {"rng": self.rng.getstate()}
