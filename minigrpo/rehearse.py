@@ -256,14 +256,13 @@ def rehearse(preset: str, gpu, top_p: float = 1.0, prompt_tokens: int = 192, say
         sft = lambda: sft_step(cfg, policy, [([0] * Lp, [0] * T)] * micro, 0, optimizer, scaler)  # noqa: E731
         row(f"one SFT step ({micro} examples of {Lp} + {T} tokens)", peak_above(counter, sft),
             memory.training_gb(micro, Lp, T) + sizes.lora_per_rank * cfg.lora_rank * 4 / GiB)
-        _decoder_parts(policy, counter, dtype, s, memory, cfg, plan.dense_gb, row)
+        _decoder_parts(policy, counter, dtype, s, memory, plan.dense_gb, row)
     return rows
 
 
-def _decoder_parts(policy, counter: LiveBytes, dtype, s, memory, cfg, dense_gb: float, row) -> None:
+def _decoder_parts(policy, counter: LiveBytes, dtype, s, memory, dense_gb: float, row) -> None:
     """The fixed-shape decoder's dense copy, then its state and prefill for a training rollout and for the
     held-out evaluation, each beside the plan's figure (`row(name, counted bytes, planned GB)`)."""
-    from minigrpo.generate.sampling import Sampling
     from minigrpo.generate.static import StaticDecoder, rows_bucket
 
     Lp, T = s.prompt_tokens, s.new_tokens
@@ -275,8 +274,7 @@ def _decoder_parts(policy, counter: LiveBytes, dtype, s, memory, cfg, dense_gb: 
                              ("the held-out evaluation", s.eval_prompts, s.eval_samples)):
         if not prompts:
             continue
-        sampling = Sampling(G, T, cfg.temperature, s.top_p)
-        held = decoder._take_state(prompts * G, Lp + T, 0, sampling, True, [0])
+        held = decoder._take_state(prompts * G, Lp + T, 0, [0])
         row(f"decode state for {what}: {rows_bucket(prompts * G)} rows x {held['T']} tokens",
             decoder.held_bytes(), memory.generation_gb(rows_bucket(prompts * G), Lp, T))
         fill = lambda: decoder.prefill(held["state"], [[0] * Lp] * prompts, G, 0)  # noqa: E731

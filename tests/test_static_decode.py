@@ -198,3 +198,14 @@ def test_attention_scores_stay_float32_before_the_softmax_as_sdpa_keeps_them(dep
     rounded = torch.baddbmm(mask.bfloat16(), q, keys_t, alpha=static.scale).float().softmax(-1)
     assert static._scores(mask, q, keys_t).dtype == torch.float32
     assert (kept - exact).abs().max() < 1e-5 < (rounded - exact).abs().max() / 100
+
+
+def test_rollouts_of_other_kinds_share_the_held_state(depth_model):
+    """A judge or the reference (no adapter) and an evaluation (another temperature) between training rollouts:
+    one state serves them all (on a card, each kind's graph captured once into one memory pool), where each
+    switch of kind used to free the state, build a new one and capture again."""
+    policy = _policy(depth_model, False)
+    static = StaticDecoder.build(policy)
+    for temperature, adapters in [(1.0, True), (0.0, True), (1.0, False), (1.0, True), (0.0, False)] * 2:
+        static.decode(PROMPTS, Sampling(2, 6, temperature), [511], 0, adapters=adapters)
+    assert static.states_built == 1

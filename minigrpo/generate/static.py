@@ -11,8 +11,10 @@ waiting. This decoder reads the same weights through a flat, fixed-shape step in
 - a static key/value cache sized for the rollout (rows rounded up to a power of two, its length up to a multiple
   of `LENGTH_STEP`, or to an episode's whole length); a finished row keeps decoding masked and its tokens past
   eos are dropped at the end, so no shape changes. The decoder holds one such state at a time: a rollout that
-  fits in it (no more rows or length, and at least half of its rows used) reuses it, graph and all, so an
-  episode's turns share one; any other frees it first, then builds its own. Its memory is one state's
+  fits in it (no more rows or length, and at least half of its rows used) reuses it, graphs and all, so an
+  episode's turns share one, and so do rollouts of other kinds (the reference's or a judge's without the
+  adapter, an evaluation's temperature), each kind's graph captured once into the state's one memory pool; any
+  other rollout frees it first, then builds its own. Its memory is one state's
   (`held_bytes`), which `plan.py` counts through training;
 - rotary embeddings as one small batched matmul per layer, from a rotation built once per token;
 - sampling (`sampling.sample`, the trainer's temperature and top-p) inside the step, its tokens and log-probs
@@ -87,8 +89,8 @@ class StaticDecoder:
                 block[name] = Projection([getattr(getattr(layer, part), n) for n in names], stream)
             self.blocks.append(block)
         self.mixed_bmm = _has_mixed_bmm(inner.device)
-        self.held: dict | None = None  # the one state kept: its buffers, its graph on a card, what it decodes
-        self.states_built = 0  # how many times a batch shape's buffers (and, on a card, its graph) were made
+        self.held: dict | None = None  # the one state kept: its buffers and, on a card, a graph per kind
+        self.states_built = 0  # how many times a batch shape's buffers were made
 
     @classmethod
     def build(cls, model) -> "StaticDecoder":
@@ -186,26 +188,27 @@ class StaticDecoder:
                 "eos": torch.tensor(eos_ids, dtype=torch.long, device=dev)}
 
     def held_bytes(self) -> int:
-        """Device bytes of the state held between rollouts (on a card its graph's pool adds a step's activations)."""
+        """Device bytes of the state held between rollouts (on a card its graphs' pool adds a step's activations)."""
         if self.held is None:
             return 0
         tensors = [t for v in self.held["state"].values() for t in (v if isinstance(v, list) else [v])]
         storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}  # views once
         return sum(storages.values())
 
-    def _take_state(self, rows: int, need: int, reserve: int, sampling: Sampling, adapters: bool,
-                    eos_ids: list[int]) -> dict:
-        """The held state where this rollout fits in it (its graph reused), else a new one, the old freed first.
-        `need` is the cache length this call fills, `reserve` what its later turns may reach."""
-        kind = (sampling.temperature, sampling.top_p, adapters, tuple(eos_ids))  # what a captured step bakes in
+    def _take_state(self, rows: int, need: int, reserve: int, eos_ids: list[int]) -> dict:
+        """The held state where this rollout fits in it, else a new one, the old freed first. `need` is the cache
+        length this call fills, `reserve` what its later turns may reach. Rollouts of other kinds (a judge's or the
+        reference's, without the adapter; an evaluation's temperature) share it: their graphs are kept beside each
+        other in one memory pool, so alternating kinds neither rebuilds the state nor grows the card's memory."""
         held = self.held
-        if (held is not None and held["kind"] == kind and rows <= held["rows"] <= 2 * rows_bucket(rows)
+        if (held is not None and held["eos"] == tuple(eos_ids) and rows <= held["rows"] <= 2 * rows_bucket(rows)
                 and need <= held["T"] <= 2 * max(reserve, need) + LENGTH_STEP):
             return held
-        self.held = held = None  # its cache and graph go back before the next is made
+        self.held = held = None  # its cache and graphs go back before the next are made
         T = -(-max(need, reserve) // LENGTH_STEP) * LENGTH_STEP
         R = rows_bucket(rows)
-        self.held = {"kind": kind, "rows": R, "T": T, "state": self._state(R, T, eos_ids), "graph": None}
+        self.held = {"eos": tuple(eos_ids), "rows": R, "T": T, "state": self._state(R, T, eos_ids), "graphs": {},
+                     "pool": torch.cuda.graph_pool_handle() if self.inner.device.type == "cuda" else None}
         return self.held
 
     def _rotary(self, length: int) -> torch.Tensor:
@@ -222,14 +225,15 @@ class StaticDecoder:
         (kept) or `max_new_tokens`, and each sampled token's log-prob under the distribution it came from."""
         dev, G, n = self.inner.device, sampling.n, sampling.max_new_tokens
         P, longest = len(prompt_ids), max(len(p) for p in prompt_ids)
-        held = self._take_state(P * G, longest + n, sampling.context_tokens or 0, sampling, adapters, eos_ids)
+        held = self._take_state(P * G, longest + n, sampling.context_tokens or 0, eos_ids)
         s = held["state"]
         token, logp = sample(self.prefill(s, prompt_ids, G, pad_id).float(), sampling)  # [R], [R]
         s["tokens"][:, 0], s["logps"][:, 0], s["token"][:] = token, logp, token
         s["done"].logical_or_(torch.isin(token, s["eos"]))
-        if dev.type == "cuda" and held["graph"] is None:
-            held["graph"] = self._capture(s, sampling, adapters)
-        graph = held["graph"]
+        kind = (sampling.temperature, sampling.top_p, adapters)  # what a captured step bakes in
+        if dev.type == "cuda" and kind not in held["graphs"]:
+            held["graphs"][kind] = self._capture(s, sampling, adapters, held["pool"])
+        graph = held["graphs"].get(kind)
         made = 1
         while made < n:
             if made % CHECK_EVERY == 1 and bool(s["done"].all()):  # the one host read, every few tokens
@@ -290,7 +294,7 @@ class StaticDecoder:
         s["done"][P * G:] = True
         return last
 
-    def _capture(self, s: dict, sampling: Sampling, adapters: bool):
+    def _capture(self, s: dict, sampling: Sampling, adapters: bool, pool):
         """One decode step recorded as a CUDA graph; its state is restored, so the capture decodes nothing."""
         saved = {k: v.clone() for k, v in s.items() if isinstance(v, torch.Tensor) and k not in ("rotary", "eos")}
         with rng_kept(self.inner.device):  # the warm-up draws, so a run's samples don't depend on when it captured
@@ -301,7 +305,7 @@ class StaticDecoder:
                     self._step(s, sampling, adapters)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, pool=pool):  # one pool for a state's graphs: they never run at once
                 self._step(s, sampling, adapters)
         for k, v in saved.items():
             s[k].copy_(v)
