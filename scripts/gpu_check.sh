@@ -7,16 +7,20 @@
 #      kernel launches (and their mean host time) and syncs per token, and the share of a token's wall time the
 #      card spends in kernels; then `minigrpo bench decode` on models of the preset's depth and tiny widths (the
 #      host's cost alone);
-#   4. the fixed-shape loop's correctness on the card, in its default dtype and in float16 (a T4's): greedy tokens
-#      equal the eager loop's (or part only at a tie), sampled tokens' log-probs within 1e-2 of the trainer's, and
-#      both again after an optimizer step and the adapter's refresh, asserted;
+#   4. the fixed-shape loop's correctness on the card, in its default dtype and in float16 (a T4's; once where they
+#      are the same): greedy tokens equal the eager loop's (or part only at a tie), sampled tokens' log-probs within
+#      1e-2 of the trainer's, every token sampled at top-p 0.9 and temperature 0.7 inside the captured graph in the
+#      trainer's nucleus, and the first two again after an optimizer step and the adapter's refresh, asserted;
 #   4b. `minigrpo bench model` on the preset with random weights of its shape (measured: s/step, tokens/s,
 #      peak and reserved memory beside the plan's estimate);
 #   5. the T4's float16 path on this card: `doctor --dtype float16` and three training steps in float16
 #      (gradient scaler, first-rollout numerics check), then what a first run on a card must show, asserted:
 #      reward spread in some step, the adapter changed, the generator's log-probs follow the trainer's, no step
 #      skipped by the scaler, peak memory within 25% of `minigrpo plan`'s estimate;
-#   6. the streamed export of a 4-bit policy: extra device memory against its largest shard.
+#   6. the streamed export of a 4-bit policy (the decode stages' model): extra device memory against its largest shard.
+#
+# The stages' Python is in minigrpo/bench/gpu_stages.py, each stage with a test at a CPU's size
+# (tests/test_gpu_stages.py), so no line of this check runs for the first time on a card.
 #
 # For a GPU machine with only torch (and transformers, peft, typer, rich) installed and no network: wheels the
 # machine lacks (bitsandbytes; vLLM's CUDA wheel if it fits the transfer) go in a folder beside the repository
@@ -68,93 +72,15 @@ random_model() {  # random_model PRESET FOLDER: random weights of the preset's s
 print(weights_or_random(sys.argv[1], Path(sys.argv[2]), random_weights=True)[0])" "$1" "$2"
 }
 
-export_memory() {  # export_memory FOLDER: the streamed export's extra device memory against its largest shard
-  python - "$1" "$work/export" <<'PY'
-import json, os, sys
-from minigrpo.bench.steps import extra_memory_gb
-from minigrpo.config import TrainConfig
-from minigrpo.export import export_weights
-from minigrpo.model import default_dtype, load_policy, load_tokenizer
-path, out = sys.argv[1], sys.argv[2]
-dtype = default_dtype()
-policy = load_policy(TrainConfig(lora_rank=16, load_in_4bit=True), path, dtype)
-extra = extra_memory_gb(lambda: export_weights(policy, load_tokenizer(path), out, dtype, merge_adapter=True))
-shards = [os.path.getsize(f"{out}/{f}") / 2**30 for f in os.listdir(out) if f.endswith(".safetensors")]
-print(json.dumps({"device": str(policy.device), "dtype": str(dtype), "exported_gb": round(sum(shards), 3),
-                  "largest_shard_gb": round(max(shards), 3), "extra_device_gb": round(extra, 3)}))
-PY
-}
-decode_speed() {  # decode_speed FOLDER: ms per new token of `transformers` decoding, eager and fixed-shape loops
-  python - "$1" "${DECODE_ROWS:-1 8 32}" "${DECODE_TOKENS:-3 35}" <<'PY'
-import json, sys
-from minigrpo.bench.decode import cpu_model, measure
-from minigrpo.config import TrainConfig
-from minigrpo.generate.hf import HFGenerator
-from minigrpo.model import default_dtype, load_policy, load_tokenizer
-path, dtype = sys.argv[1], default_dtype()
-policy = load_policy(TrainConfig(load_in_4bit=True), path, dtype).eval()
-tokenizer = load_tokenizer(path)
-for rows in map(int, sys.argv[2].split()):
-    for decoder in ("static", "eager"):  # the new loop first: its figures matter most if the stage runs out of time
-        lengths = tuple(map(int, sys.argv[3].split()))  # two decodes whose difference is the per-token figure
-        figures = measure(HFGenerator(policy, tokenizer, decoder=decoder), rows, repeats=1, lengths=lengths)
-        print(json.dumps({"rows": rows, "path": decoder, "dtype": str(dtype), "device": str(policy.device),
-                          "cpu": cpu_model(), **figures}), flush=True)
-PY
-}
-decode_correct() {  # decode_correct FOLDER: the fixed-shape loop decodes as the eager loop and the trainer (exit 1 if not)
-  python - "$1" "${CHECK_ROWS:-8}" "${CHECK_TOKENS:-24}" ${CHECK_DTYPES:-auto float16} <<'PY'
-import sys
-import torch
-from minigrpo.bench.decode import _policy, decode_agreement
-folder, rows, tokens, failed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), 0
-for dtype in sys.argv[4:]:
-    policy = _policy(folder, load_in_4bit=True, dtype=dtype)
-    for what, ok, figures in decode_agreement(policy, rows=rows, new_tokens=tokens):
-        failed += not ok
-        print(f"{'PASS' if ok else 'FAIL'}: {policy.dtype}, {policy.device}: {what} ({figures})", flush=True)
-    del policy
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
-sys.exit(1 if failed else 0)
-PY
-}
-first_run_checks() {  # first_run_checks RUN_DIR: what a first run on a card must show, asserted (exit 1 if not)
-  python - "$1" <<'PY'
-import json, sys
-from pathlib import Path
-import torch
-from safetensors.torch import load_file
-from minigrpo.config import TrainConfig
-from minigrpo.bench.steps import peak_agrees
-from minigrpo.cli.machine import plans_for
-from minigrpo.health import GAP_WARNING
-run = Path(sys.argv[1])
-steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-adapter = load_file(str(run / "adapter" / "adapter_model.safetensors"))
-gaps = [m["sampler_logprob_gap/mean"] for m in steps[1:] if "sampler_logprob_gap/mean" in m]
-checks = {
-    "some step has reward spread above zero": any(m.get("frac_groups_reward_differs", 0) > 0 for m in steps),
-    "the adapter changed (its B matrices, zero at the start)": any(
-        t.abs().sum() > 0 for name, t in adapter.items() if "lora_B" in name),
-    f"the generator samples with the updated adapter (its log-probs within {GAP_WARNING} of the trainer's "
-    f"after step 1: {[round(g, 4) for g in gaps]})": bool(gaps) and max(gaps) < GAP_WARNING,
-    "no float16 step was skipped by the gradient scaler": not any(m.get("skipped_overflow") for m in steps),
-}
-if torch.cuda.is_available():  # the plan's estimate is for a card
-    plan = next(iter(plans_for(TrainConfig.load(run / "config.json"), None, None).values()))
-    ok, said = peak_agrees(plan, max(m["mem/peak_gb"] for m in steps))
-    checks[said] = ok
-for what, ok in checks.items():
-    print(("PASS: " if ok else "FAIL: ") + what)
-sys.exit(0 if all(checks.values()) else 1)
-PY
+stages_py() {  # stages_py STAGE ARGS...: a stage's python, kept in the package with a CPU test each
+  python -m minigrpo.bench.gpu_stages "$@"
 }
 preset_flags() {  # preset_flags PRESET: the preset's settings as flags, for a random model passed as a folder
   python -c "import sys; from minigrpo.config import PRESETS; p = PRESETS[sys.argv[1]]
 print(f'--max-new-tokens {p.max_new_tokens} --num-generations {p.num_generations} --prompts-per-step '
       f'{p.prompts_per_step} --lora-rank {p.lora_rank} --learning-rate {p.learning_rate}')" "$1"
 }
-export -f random_model export_memory decode_speed decode_correct preset_flags first_run_checks
+export -f random_model stages_py preset_flags
 export work
 
 # a reward random text earns unevenly (random weights never solve a sum), so a step's groups have a spread to learn
@@ -186,11 +112,12 @@ PY
   stage plan 40 "minigrpo plan (the estimate, before any run): this card, then a T4" \
     bash -c "python -m minigrpo.cli plan --model $model && python -m minigrpo.cli plan --model $model --gpu t4"
   stage decode ${DECODE_S:-150} "transformers decoding of $model (random weights): ms per new token" bash -c "
-    folder=\$(random_model $model $work/big | tail -1) && decode_speed \$folder &&
+    folder=\$(random_model $model $work/big | tail -1) &&
+    stages_py decode-speed \$folder \"${DECODE_ROWS:-1 8 32}\" \"${DECODE_TOKENS:-3 35}\" &&
     python -m minigrpo.cli bench decode --preset $model $(printf -- '--rows %s ' ${DECODE_BENCH_ROWS:-1 16 64}) --json"
   stage correct ${CORRECT_S:-70} "fixed-shape decoding of $model decodes as the eager loop and the trainer" bash -c "
     folder=$work/big; [ -f $work/big/config.json ] || folder=\$(random_model $model $work/big | tail -1)
-    decode_correct \$folder"
+    stages_py decode-correct \$folder ${CHECK_ROWS:-8} ${CHECK_TOKENS:-24} ${CHECK_DTYPES:-auto float16}"
   # shellcheck disable=SC2086  # the arguments are meant to split
   stage bench ${BENCH_S:-110} "minigrpo bench model (measured)" python -m minigrpo.cli bench model --model "$model" --random-weights \
     $bench_args
@@ -199,8 +126,10 @@ PY
     folder=\$(random_model $small $work/small | tail -1) &&
     python -m minigrpo.cli train --model \$folder \$(preset_flags $small) --task addition --steps 3 --dtype float16 --generator hf \
       --reward $work/varied.py:vowel_share --out $work/run-fp16 --sample-every 0 --no-eval-before-after &&
-    tail -n 3 $work/run-fp16/metrics.jsonl && first_run_checks $work/run-fp16"
+    tail -n 3 $work/run-fp16/metrics.jsonl && stages_py first-run-checks $work/run-fp16"
   stage export ${EXPORT_S:-60} "export of $export_model's 4-bit policy, streamed" bash -c "
-    folder=\$(random_model $export_model $work/big-export | tail -1) && export_memory \$folder"
+    folder=$work/big; [ $export_model = $model ] && [ -f $work/big/config.json ] ||
+      folder=\$(random_model $export_model $work/big-export | tail -1)  # the decode stages' model where it is the same
+    stages_py export-memory \$folder $work/export"
 } 2>&1 | tee "$out"
 echo "figures written to $out"

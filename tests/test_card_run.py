@@ -265,10 +265,26 @@ def test_the_decode_correctness_check_passes_and_catches_a_stale_graph(tmp_path,
 
     folder = depth_only("qwen-1.5b", tmp_path / "model", layers=3)
     results = decode_agreement(_policy(folder, load_in_4bit=True), rows=4, new_tokens=8)
-    assert len(results) == 4 and all(ok for _, ok, _ in results), results
+    assert len(results) == 5 and all(ok for _, ok, _ in results), results
     monkeypatch.setattr(StaticDecoder, "refresh", lambda self: None)
     stale = decode_agreement(_policy(folder, load_in_4bit=True), rows=4, new_tokens=8)
-    assert [ok for _, ok, _ in stale] == [True, True, False, False], stale
+    assert [ok for _, ok, _ in stale] == [True, True, True, False, False], stale
+
+
+def test_the_decode_correctness_check_catches_a_step_that_samples_outside_the_nucleus(tmp_path, monkeypatch):
+    """The top-p check of the GPU check's correctness stage can fail: a step that ignored top-p draws from the
+    whole vocabulary of a random model, far outside a 0.9 nucleus."""
+    import dataclasses
+
+    import minigrpo.generate.static as static
+    from minigrpo.bench.decode import _policy, decode_agreement, depth_only
+
+    real = static.sample
+    monkeypatch.setattr(static, "sample", lambda logits, sampling: real(logits, dataclasses.replace(sampling, top_p=1.0)))
+    folder = depth_only("smollm2-135m", tmp_path / "model", layers=2)
+    results = {what: ok for what, ok, _ in decode_agreement(_policy(folder, load_in_4bit=False), rows=4,
+                                                            new_tokens=16)}
+    assert results["top-p sampling inside the fixed-shape step"] is False, results
 
 
 # --- the doctor's sleep check, the facts of a card as stand-ins ---------------------------------------------

@@ -586,7 +586,8 @@ def test_gpu_check_script_runs_its_stages_and_reports_each(tmp_path):
     assert [(f["rows"], f["path"]) for f in depth_only] == [(2, "eager"), (2, "static")], figures
     assert re.search(r"## fixed-shape decoding of smollm2-135m .*: exit 0 after", report), report[-2000:]
     passed = [line for line in report.splitlines() if line.startswith("PASS: ")]
-    assert len(passed) == 4 and "after a step" in passed[-1], report[-2000:]
+    assert len(passed) == 5 and "after a step" in passed[-1], report[-2000:]
+    assert any("top-p sampling inside the fixed-shape step" in line for line in passed), passed
     assert "## minigrpo doctor" not in report, "only the stages asked for run"
 
 

@@ -167,7 +167,7 @@ def decode_agreement(policy, rows: int = 8, new_tokens: int = 24,
     figures) for each."""
     from minigrpo.generate.hf import HFGenerator, decode
     from minigrpo.model import lora_parameters
-    from minigrpo.logprobs import pad_batch, token_logprobs
+    from minigrpo.logprobs import pad_batch, positions, token_logprobs
 
     prompts = [list(range(10 + 7 * i, 40 + 5 * i)) for i in range(max(1, rows // 2))]  # left-padded widths
     generator = HFGenerator(policy, _Pad(), report_logprobs=True, decoder="static")
@@ -200,8 +200,26 @@ def decode_agreement(policy, rows: int = 8, new_tokens: int = 24,
         gap = (logps[mask] - ours).abs()
         return gap.mean().item() < tolerance, f"mean {gap.mean().item():.2g}, max {gap.max().item():.2g} per token"
 
+    def in_nucleus(temperature: float = 0.7, top_p: float = 0.9) -> tuple[bool, str]:
+        """Sort, cumulative sum and scatter run only here inside a captured graph: every token it samples must be
+        in the trainer's nucleus (its mass ahead at most top-p, give or take `tolerance` of rounding)."""
+        from minigrpo.generate.sampling import nucleus
+
+        out = generator.generate(prompts, Sampling(2, new_tokens, temperature, top_p))
+        pairs = [(prompts[i // 2], c) for i, c in enumerate(out.completion_ids)]
+        ids, attention, mask = pad_batch(pairs, 0, policy.device)
+        n = mask.shape[1]
+        with torch.no_grad():
+            logits = policy(input_ids=ids, attention_mask=attention, position_ids=positions(attention)
+                            ).logits[:, -n - 1:-1].float() / temperature  # [B, n, V]
+        outside = nucleus(logits.reshape(-1, logits.shape[-1]), top_p + tolerance).view(*mask.shape, -1)  # [B, n, V]
+        drawn = outside.gather(-1, ids[:, -n:, None]).squeeze(-1)[mask]  # [tokens]: True where outside
+        return not drawn.any().item(), (f"{int(drawn.sum())} of {drawn.numel()} sampled tokens outside the trainer's "
+                                        f"top-p {top_p} nucleus at temperature {temperature}")
+
     results = [("greedy tokens, fixed-shape = eager", *greedy()),
-               ("sampled log-probs, fixed-shape = trainer", *sampled())]
+               ("sampled log-probs, fixed-shape = trainer", *sampled()),
+               ("top-p sampling inside the fixed-shape step", *in_nucleus())]
     policy.train()  # one optimizer step on the adapter, as training takes, then the refresh `sync` makes
     optimizer = torch.optim.SGD(lora_parameters(policy), lr=0.5)
     ids = torch.tensor([prompts[0]], device=policy.device)

@@ -160,7 +160,8 @@ def check_engine(policy, tokenizer, dtype: torch.dtype, on_gpu: bool) -> list[Ch
     start = time.perf_counter()
     try:
         engine = VLLMGenerator.start(policy, tokenizer, lora_rank=8, max_model_len=128, seed=0, max_rows=4,
-                                     gpu_memory_utilization=0.2 if on_gpu else None, sleep=on_gpu, dtype=dtype)
+                                     gpu_memory_utilization=0.2 if on_gpu else None, sleep=on_gpu, dtype=dtype,
+                                     eager=True)  # compiling and capturing take longer than the checks on a T4
     except Exception as error:
         return [Check("vllm engine", FAIL, f"could not start: {type(error).__name__}: {str(error)[:300]} "
                                            f"(train with --generator hf meanwhile)")]

@@ -151,8 +151,10 @@ class VLLMGenerator:
 
     @classmethod
     def start(cls, model, tokenizer, *, lora_rank: int, max_model_len: int, seed: int, max_rows: int,
-              gpu_memory_utilization: float | None, sleep: bool, dtype: torch.dtype) -> "VLLMGenerator":
-        """Export the trainer's base, start the engine on it, register the adapter and fill it."""
+              gpu_memory_utilization: float | None, sleep: bool, dtype: torch.dtype,
+              eager: bool = False) -> "VLLMGenerator":
+        """Export the trainer's base, start the engine on it, register the adapter and fill it. With `eager`, no
+        compilation and no CUDA graphs: a start in seconds for an engine that only checks (`minigrpo doctor`)."""
         # in-process engine: the worker must live in this process to be handed tensors directly
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of kv cache on cpu
@@ -168,7 +170,7 @@ class VLLMGenerator:
         share = {"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization else {}
         llm = LLM(model=str(base_dir), dtype=str(dtype).removeprefix("torch."), seed=seed, enable_lora=True,
                   max_lora_rank=rank, max_loras=1, max_model_len=max_model_len, enable_prefix_caching=True,
-                  **share, **engine_options(on_gpu, max_rows))
+                  enforce_eager=eager, **share, **engine_options(on_gpu, max_rows))
         engine = cls(llm, LoRARequest("policy", LORA_ID, str(adapter_dir)), sleep=sleep and on_gpu, seed=seed,
                      folder=folder, base=base_dir)
         try:
