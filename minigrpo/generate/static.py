@@ -314,8 +314,7 @@ class StaticDecoder:
 
 @contextlib.contextmanager
 def rng_kept(device: torch.device):
-    """The device's random state as it was before the block: steps run only to warm up or capture a graph leave the
-    stream of draws where it was, so a resumed run (which captures at a different step) samples as the original.
+    """The device's random state restored after the block: a graph's warm-up and capture draw nothing for good.
 
     >>> _ = torch.manual_seed(1)
     >>> with rng_kept(torch.device("cpu")):
