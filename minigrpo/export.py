@@ -41,8 +41,9 @@ def export_weights(model, tokenizer, folder: Path, dtype: torch.dtype, merge_ada
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1) + "\n")
     model_config = copy.deepcopy(inner.config)
-    if hasattr(model_config, "quantization_config"):
-        del model_config.quantization_config
+    for quantized in ("quantization_config", "_pre_quantization_dtype"):  # transformers 4.x writes the second raw
+        if hasattr(model_config, quantized):
+            delattr(model_config, quantized)
     model_config.dtype = dtype
     model_config.use_cache = True
     model_config.save_pretrained(folder)

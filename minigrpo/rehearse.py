@@ -189,6 +189,11 @@ def rehearse(preset: str, gpu, top_p: float = 1.0, prompt_tokens: int = 192, say
     from minigrpo.plan import ADAPTER_BYTES, Settings, Sizes, StepMemory, make_plan, weights_gb
     from minigrpo.update import micro_batches, policy_update
 
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        raise ValueError(f"--rehearse needs transformers 5 or later (this is {transformers.__version__}, whose "
+                         f"rotary embedding asks autocast about the meta device); the plan itself works as it is")
     shape = preset_shape(preset)
     dtype = compute_dtype(gpu, "auto")[0]
     cfg = TrainConfig(model=preset, top_p=top_p, load_in_4bit=True, gradient_checkpointing=True, bf16_base=False)
