@@ -51,7 +51,8 @@ PRESETS: dict[str, ModelPreset] = {
         "qwen2", dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                       intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True)),
     "qwen-3b": ModelPreset(
-        "Qwen/Qwen2.5-3B-Instruct", 32, 1e-5, 8, 2, 512, "T4: on Colab transformers generation (a sleeping engine pins 8.8 GB of RAM)",
+        "Qwen/Qwen2.5-3B-Instruct", 32, 1e-5, 8, 2, 512,
+        "Colab's T4: transformers generation (a sleeping engine would pin 8.8 GB of its RAM)",
         "qwen2", dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
                       intermediate_size=11008, vocab_size=151936, tie_word_embeddings=True)),
     "qwen-7b": ModelPreset(

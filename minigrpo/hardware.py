@@ -27,7 +27,7 @@ class Gpu:
     host_gb: float | None = None  # the machine's RAM in GiB; the sleeping vLLM engine keeps its weights there
     driver: str = ""  # nvidia driver version, e.g. "550.54.15"
     cuda_driver: tuple[int, int] | None = None  # highest CUDA version the driver runs, e.g. (12, 4)
-    taken_gb: float = 0.0  # not free when measured (a display, another process; this one's CUDA context); a named card: 0
+    taken_gb: float = 0.0  # not free when measured (a display, other processes, this one's CUDA context); named: 0
 
     @property
     def sm(self) -> str:

@@ -119,25 +119,29 @@ class StepMemory:
         """What a micro-batch keeps through its forward: each layer's input under checkpointing, else all."""
         s = Sizes.of(self.shape)
         kept = s.hidden if self.checkpointing else 8 * s.hidden + 4 * s.intermediate
-        return min(rows, self.micro_batch_size) * (prompt_tokens + new_tokens) * s.layers * kept * self.dtype_bytes / GiB
+        tokens = min(rows, self.micro_batch_size) * (prompt_tokens + new_tokens)
+        return tokens * s.layers * kept * self.dtype_bytes / GiB
 
     def activations_gb(self, rows: int, prompt_tokens: int, new_tokens: int) -> float:
         """One micro-batch's activations through forward and backward, the lm head aside: what is kept, and two
         layers' worth being recomputed and differentiated."""
         s = Sizes.of(self.shape)
-        layer = 10 * s.hidden + 4 * s.intermediate  # per token: norms, q/k/v/o, grouped k/v's copies, residuals;
-        micro = min(rows, self.micro_batch_size)  # gate, up, activation
+        # per token: norms, q/k/v/o, grouped keys' and values' copies, residuals; gate, up, activation
+        layer = 10 * s.hidden + 4 * s.intermediate
+        micro = min(rows, self.micro_batch_size)
         return self.kept_gb(rows, prompt_tokens, new_tokens) + \
             micro * (prompt_tokens + new_tokens) * 2 * layer * self.dtype_bytes / GiB
 
     def logprob_gb(self, rows: int, new_tokens: int) -> float:
         """The lm head's buffers for one chunk of completion tokens (logprobs.HeadLogprobs)."""
-        s = Sizes.of(self.shape)
-        chunk = min(min(rows, self.micro_batch_size) * new_tokens, self.chunk)
         from minigrpo.generate.sampling import NUCLEUS_TOP_K
 
-        small = 2 * s.hidden * self.dtype_bytes + (12 * NUCLEUS_TOP_K if self.top_p < 1.0 else 0)  # a row's hidden
-        return chunk * (s.vocab * LOGPROB_BYTES[self.top_p >= 1.0] + small) / GiB  # state, its gradient; the top k
+        s = Sizes.of(self.shape)
+        chunk = min(min(rows, self.micro_batch_size) * new_tokens, self.chunk)
+        per_row = 2 * s.hidden * self.dtype_bytes  # a row's hidden state and its gradient
+        if self.top_p < 1.0:
+            per_row += 12 * NUCLEUS_TOP_K  # the top k's probabilities and their int64 indices
+        return chunk * (s.vocab * LOGPROB_BYTES[self.top_p >= 1.0] + per_row) / GiB
 
     def prefill_gb(self, rows: int, prompt_tokens: int, prompts: int | None = None) -> float:
         """What a rollout's prefill adds to its decode state (`StaticDecoder.prefill`): one group of prompts' cache

@@ -182,14 +182,14 @@ def rehearse(preset: str, gpu, top_p: float = 1.0, prompt_tokens: int = 192, say
     beside `plan.py`'s figure for it. `prompt_tokens` is the plan's typical prompt."""
     import dataclasses
 
+    import transformers
+
     from minigrpo.config import TrainConfig, preset_shape
     from minigrpo.hardware import compute_dtype
     from minigrpo.logprobs import HeadLogprobs, positions
-    from minigrpo.sft import sft_step
     from minigrpo.plan import ADAPTER_BYTES, Settings, Sizes, StepMemory, make_plan, weights_gb
+    from minigrpo.sft import sft_step
     from minigrpo.update import micro_batches, policy_update
-
-    import transformers
 
     if int(transformers.__version__.split(".")[0]) < 5:
         raise ValueError(f"--rehearse needs transformers 5 or later (this is {transformers.__version__}, whose "
@@ -249,18 +249,19 @@ def rehearse(preset: str, gpu, top_p: float = 1.0, prompt_tokens: int = 192, say
         row(f"log-prob buffers: {chunk} tokens x {V} at top-p {top_p:g}", peak_above(counter, head_pass),
             memory.logprob_gb(micro, T))
 
-        batch = SimpleNamespace(prompt_ids=[[0] * Lp] * (micro // cfg.num_generations or 1),
-                                completion_ids=[[0] * T] * micro, truncated=[False] * micro, model_masks=None,
+        # one micro-batch of full-length completions (the rollout's fields the update reads), as a rollout makes
+        prompts = max(1, micro // cfg.num_generations)
+        batch = SimpleNamespace(prompt_ids=[[0] * Lp] * prompts, completion_ids=[[0] * T] * micro,
+                                truncated=[False] * micro, model_masks=None,
                                 sampler_logps=[[0.0] * T] * micro if top_p < 1 else None)
-        mb = micro_batches(dataclasses.replace(cfg, num_generations=micro // len(batch.prompt_ids)), batch, 0, "meta")
+        mb = micro_batches(dataclasses.replace(cfg, num_generations=micro // prompts), batch, 0, "meta")
         scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)  # a T4 scales float16 losses
+        planned = memory.training_gb(micro, Lp, T) + sizes.lora_per_rank * cfg.lora_rank * 4 / GiB  # and gradients
         update = lambda: policy_update(cfg, policy, mb, torch.zeros(micro), optimizer, scaler)  # noqa: E731
-        row(f"one micro-batch's update ({micro} rows: log-probs, loss, backward, AdamW)",
-            peak_above(counter, update), memory.training_gb(micro, Lp, T) + sizes.lora_per_rank * cfg.lora_rank * 4 / GiB)
-
+        row(f"one micro-batch's update ({micro} rows: log-probs, loss, backward, AdamW)", peak_above(counter, update),
+            planned)
         sft = lambda: sft_step(cfg, policy, [([0] * Lp, [0] * T)] * micro, 0, optimizer, scaler)  # noqa: E731
-        row(f"one SFT step ({micro} examples of {Lp} + {T} tokens)", peak_above(counter, sft),
-            memory.training_gb(micro, Lp, T) + sizes.lora_per_rank * cfg.lora_rank * 4 / GiB)
+        row(f"one SFT step ({micro} examples of {Lp} + {T} tokens)", peak_above(counter, sft), planned)
         _decoder_parts(policy, counter, dtype, s, memory, plan.dense_gb, row)
     return rows
 
@@ -297,7 +298,7 @@ def print_rehearsal(model: str, gpu: str, top_p: float, console) -> None:
 
     if model not in PRESETS or gpu not in CARDS:
         raise ValueError(f"--rehearse needs a preset (one of {', '.join(PRESETS)}) and a named --gpu "
-                                 f"(one of {', '.join(CARDS)})")
+                         f"(one of {', '.join(CARDS)})")
     table = Table(title=f"{model} on a {gpu}, top-p {top_p:g}: a step's code run at these sizes (minigrpo/rehearse.py)")
     for column in ("part", "counted GB", "planned GB", "planned / counted"):
         table.add_column(column, justify="left" if column == "part" else "right")
