@@ -26,7 +26,6 @@ pool, and vLLM's engine (its share is sized by `plan.engine_plan`).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -36,7 +35,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-GiB = 2**30
+from minigrpo.memory import GiB, Sizes
+
 BLOCK = 512  # the CUDA caching allocator's rounding of every block
 aten = torch.ops.aten
 VALUE_OPS = (aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default)
@@ -186,10 +186,7 @@ def rehearse(preset: str, gpu, top_p: float = 1.0, prompt_tokens: int = 192, say
 
     from minigrpo.config import TrainConfig, preset_shape
     from minigrpo.hardware import compute_dtype
-    from minigrpo.logprobs import HeadLogprobs, positions
-    from minigrpo.plan import ADAPTER_BYTES, Settings, Sizes, StepMemory, make_plan, weights_gb
-    from minigrpo.sft import sft_step
-    from minigrpo.update import micro_batches, policy_update
+    from minigrpo.plan import Settings, StepMemory, make_plan, weights_gb
 
     if int(transformers.__version__.split(".")[0]) < 5:
         raise ValueError(f"--rehearse needs transformers 5 or later (this is {transformers.__version__}, whose "
@@ -201,7 +198,6 @@ def rehearse(preset: str, gpu, top_p: float = 1.0, prompt_tokens: int = 192, say
     plan = make_plan(shape, gpu, s, advise=False)
     sizes, nbytes = Sizes.of(shape), dtype.itemsize
     memory = StepMemory(shape, nbytes, s.micro_batch_size, s.chunk, True, True, top_p)
-    micro, T, Lp, V = s.micro_batch_size, s.new_tokens, s.prompt_tokens, sizes.vocab
     rows: list[Component] = []
 
     def row(name: str, tracked: int, planned_gb: float) -> None:
@@ -212,58 +208,72 @@ def rehearse(preset: str, gpu, top_p: float = 1.0, prompt_tokens: int = 192, say
     # which positions are real (a mask's nonzero, a boolean index): all of them, the costliest answer
     with torch.fx.experimental._config.patch(meta_nonzero_assume_all_nonzero=True), counter:
         policy = meta_policy(shape, dtype, cfg)
-        inner = policy.get_base_model()
         lora = [p for n, p in policy.named_parameters() if "lora_" in n]
         row("weights: 4-bit base, 16-bit embeddings", _bytes(_model_tensors(policy, lora=False)),
             weights_gb(sizes, True, nbytes))
-        optimizer = torch.optim.AdamW(lora, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, foreach=True)
-
-        def adam_step():
-            for p in lora:
-                p.grad = torch.empty_like(p)
-            optimizer.step()  # a card's default: foreach, all moments' temporaries at once
-        row("LoRA: weights, gradients, AdamW moments", _bytes(lora) + peak_above(counter, adam_step),
-            sizes.lora_per_rank * cfg.lora_rank * ADAPTER_BYTES / GiB)
-        optimizer.zero_grad(set_to_none=True)
-
-        ids = torch.zeros(micro, Lp + T, dtype=torch.long, device="meta")
-        attention = torch.ones_like(ids)
-
-        def trunk():
-            hidden = inner.model(input_ids=ids, attention_mask=attention, position_ids=positions(attention))
-            hidden.last_hidden_state[:, -T:].float().sum().backward()
-        policy.train()
-        trunk_bytes = peak_above(counter, trunk)
-        optimizer.zero_grad(set_to_none=True)
-        row(f"activations: {micro} rows x {Lp + T} tokens, forward and backward", trunk_bytes - _bytes(lora),
-            memory.activations_gb(micro, Lp, T))
-
-        head = inner.get_output_embeddings()
-        chunk = min(micro * T, s.chunk)
-
-        def head_pass():
-            h = torch.empty(chunk, sizes.hidden, dtype=dtype, device="meta", requires_grad=True)
-            t = torch.zeros(chunk, dtype=torch.long, device="meta")
-            logp, _, _ = HeadLogprobs.apply(h, head.weight, head.bias, t, cfg.temperature, True, False, top_p)
-            logp.sum().backward()
-        row(f"log-prob buffers: {chunk} tokens x {V} at top-p {top_p:g}", peak_above(counter, head_pass),
-            memory.logprob_gb(micro, T))
-
-        # one micro-batch of full-length completions (the rollout's fields the update reads), as a rollout makes
-        prompts = max(1, micro // cfg.num_generations)
-        batch = SimpleNamespace(prompt_ids=[[0] * Lp] * prompts, completion_ids=[[0] * T] * micro,
-                                truncated=[False] * micro, model_masks=None,
-                                sampler_logps=[[0.0] * T] * micro if top_p < 1 else None)
-        mb = micro_batches(dataclasses.replace(cfg, num_generations=micro // prompts), batch, 0, "meta")
-        scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)  # a T4 scales float16 losses
-        planned = memory.training_gb(micro, Lp, T) + sizes.lora_per_rank * cfg.lora_rank * 4 / GiB  # and gradients
-        update = lambda: policy_update(cfg, policy, mb, torch.zeros(micro), optimizer, scaler)  # noqa: E731
-        row(f"one micro-batch's update ({micro} rows: log-probs, loss, backward, AdamW)", peak_above(counter, update),
-            planned)
-        sft = lambda: sft_step(cfg, policy, [([0] * Lp, [0] * T)] * micro, 0, optimizer, scaler)  # noqa: E731
-        row(f"one SFT step ({micro} examples of {Lp} + {T} tokens)", peak_above(counter, sft), planned)
+        _trainer_parts(policy, lora, counter, cfg, s, memory, dtype, row)
         _decoder_parts(policy, counter, dtype, s, memory, plan.dense_gb, row)
     return rows
+
+
+def _trainer_parts(policy, lora: list, counter: LiveBytes, cfg, s, memory, dtype, row) -> None:
+    """AdamW's step on the adapter, the trunk's forward and backward, the lm head's log-probs, one micro-batch's
+    update and one SFT step, each beside the plan's figure (`row(name, counted bytes, planned GB)`)."""
+    import dataclasses
+
+    from minigrpo.logprobs import HeadLogprobs, positions
+    from minigrpo.plan import ADAPTER_BYTES
+    from minigrpo.sft import sft_step
+    from minigrpo.update import micro_batches, policy_update
+
+    sizes, inner = Sizes.of(policy.get_base_model().config), policy.get_base_model()
+    micro, T, Lp, V, top_p = s.micro_batch_size, s.new_tokens, s.prompt_tokens, sizes.vocab, s.top_p
+    optimizer = torch.optim.AdamW(lora, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, foreach=True)
+
+    def adam_step():
+        for p in lora:
+            p.grad = torch.empty_like(p)
+        optimizer.step()  # a card's default: foreach, all moments' temporaries at once
+    row("LoRA: weights, gradients, AdamW moments", _bytes(lora) + peak_above(counter, adam_step),
+        sizes.lora_per_rank * cfg.lora_rank * ADAPTER_BYTES / GiB)
+    optimizer.zero_grad(set_to_none=True)
+
+    ids = torch.zeros(micro, Lp + T, dtype=torch.long, device="meta")
+    attention = torch.ones_like(ids)
+
+    def trunk():
+        hidden = inner.model(input_ids=ids, attention_mask=attention, position_ids=positions(attention))
+        hidden.last_hidden_state[:, -T:].float().sum().backward()
+    policy.train()
+    trunk_bytes = peak_above(counter, trunk)
+    optimizer.zero_grad(set_to_none=True)
+    row(f"activations: {micro} rows x {Lp + T} tokens, forward and backward", trunk_bytes - _bytes(lora),
+        memory.activations_gb(micro, Lp, T))
+
+    head = inner.get_output_embeddings()
+    chunk = min(micro * T, s.chunk)
+
+    def head_pass():
+        h = torch.empty(chunk, sizes.hidden, dtype=dtype, device="meta", requires_grad=True)
+        t = torch.zeros(chunk, dtype=torch.long, device="meta")
+        logp, _, _ = HeadLogprobs.apply(h, head.weight, head.bias, t, cfg.temperature, True, False, top_p)
+        logp.sum().backward()
+    row(f"log-prob buffers: {chunk} tokens x {V} at top-p {top_p:g}", peak_above(counter, head_pass),
+        memory.logprob_gb(micro, T))
+
+    # one micro-batch of full-length completions (the rollout's fields the update reads), as a rollout makes
+    prompts = max(1, micro // cfg.num_generations)
+    batch = SimpleNamespace(prompt_ids=[[0] * Lp] * prompts, completion_ids=[[0] * T] * micro,
+                            truncated=[False] * micro, model_masks=None,
+                            sampler_logps=[[0.0] * T] * micro if top_p < 1 else None)
+    mb = micro_batches(dataclasses.replace(cfg, num_generations=micro // prompts), batch, 0, "meta")
+    scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)  # a T4 scales float16 losses
+    planned = memory.training_gb(micro, Lp, T) + sizes.lora_per_rank * cfg.lora_rank * 4 / GiB  # and gradients
+    update = lambda: policy_update(cfg, policy, mb, torch.zeros(micro), optimizer, scaler)  # noqa: E731
+    row(f"one micro-batch's update ({micro} rows: log-probs, loss, backward, AdamW)", peak_above(counter, update),
+        planned)
+    sft = lambda: sft_step(cfg, policy, [([0] * Lp, [0] * T)] * micro, 0, optimizer, scaler)  # noqa: E731
+    row(f"one SFT step ({micro} examples of {Lp} + {T} tokens)", peak_above(counter, sft), planned)
 
 
 def _decoder_parts(policy, counter: LiveBytes, dtype, s, memory, dense_gb: float, row) -> None:
