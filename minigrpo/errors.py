@@ -11,6 +11,14 @@ from rich.markup import escape
 from minigrpo.scoring import RewardError
 
 
+STOPPED_EXIT = 75  # a run stopped before its last step, resumable: sysexits' EX_TEMPFAIL ("try again later")
+
+
+class Stopped(Exception):
+    """A run stopped as asked (SIGINT, SIGTERM, SIGHUP) before its last step: a checkpoint to resume from, no final
+    adapter. The command ends with `STOPPED_EXIT`, its message already said."""
+
+
 def clear_errors(command):
     """A user's mistake (a bad flag value, file, reward, or a machine that cannot run the request) ends the
     command with one line naming it and exit status 1, not a traceback."""
@@ -18,6 +26,8 @@ def clear_errors(command):
     def run(*args, **kwargs):
         try:
             return command(*args, **kwargs)
+        except Stopped:
+            raise typer.Exit(STOPPED_EXIT) from None
         except Exception as error:
             if isinstance(error, typer.BadParameter) or not is_user_error(error):
                 raise

@@ -57,6 +57,7 @@ class StopRequest:
     def __init__(self):
         self.requested: str | None = None
         self.previous = {}
+        self.where = "starting"  # what the run is doing, for the messages: "step 7", "saving step 7's checkpoint"
 
     def __enter__(self) -> "StopRequest":
         import threading
@@ -71,11 +72,12 @@ class StopRequest:
             signal.signal(sig, handler)
 
     def handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
         if self.requested:
+            self.requested = f"{self.requested}, then {name} during {self.where}"
             raise KeyboardInterrupt
-        self.requested = signal.Signals(signum).name
-        print(f"\n{self.requested}: finishing this step, then saving a checkpoint (send it again to stop at once)",
-              flush=True)
+        self.requested = f"{name} during {self.where}"
+        print(f"\n{self.requested}: finishing it, then saving a checkpoint (send it again to stop at once)", flush=True)
 
 
 # torch's cpu allocator says "can't allocate memory"; a cuda call failing inside a library (vLLM mapping its

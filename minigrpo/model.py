@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from minigrpo import settle
 from minigrpo.config import PRESETS, TrainConfig
 from minigrpo.console import quiet_libraries
+from minigrpo.run import stopped_at
 from minigrpo.weights import offline_copy, resolve_weights
 
 
@@ -177,10 +178,13 @@ def cache_keyword(model) -> str:
 def adapter_folder(path: str | Path) -> Path:
     """A trained adapter's folder, given it or its run folder; an error that says what was expected."""
     path = Path(path)
+    saved = sorted(path.glob("checkpoints/step-*/adapter/adapter_config.json"))
+    stopped = stopped_at(path)
+    if stopped:  # its final adapter was not written; an older one may lie there, from before a --resume
+        raise ValueError(f"{stopped}; its last checkpoint's adapter is {saved[-1].parent}" if saved else stopped)
     for folder in (path, path / "adapter"):
         if (folder / "adapter_config.json").exists():
             return folder
-    saved = sorted(path.glob("checkpoints/step-*/adapter/adapter_config.json"))
     if (path / "config.json").exists():  # a run folder that ended before saving its final adapter
         raise ValueError(f"{path} is a run with no final adapter (it stopped before its end)" + (
             f": its last checkpoint's is {saved[-1].parent}, or continue it with minigrpo train --resume {path}"

@@ -4,7 +4,9 @@
         config.json      the resolved TrainConfig
         metrics.jsonl    one JSON object per step
         samples.jsonl    every completion with its prompt, reward parts and advantage
-        adapter/         PEFT format: PeftModel.from_pretrained(base, "adapter")
+        checkpoints/     step-N/: the adapter, optimizer and random state to resume from
+        adapter/         PEFT format: PeftModel.from_pretrained(base, "adapter"); written when the run ends
+        stopped.json     only while a run stopped before its end: where, and how to finish it
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from minigrpo.config import TrainConfig
 
 
 LOCK_FILE = ".lock"  # held by the process writing the folder; its text names that process
+STOPPED_FILE = "stopped.json"  # a run stopped before its end: where, how, and how to finish it
 
 
 class RunFolder:
@@ -79,6 +82,26 @@ class RunFolder:
         out = self.path / "adapter"
         model.save_pretrained(out)
         return out
+
+    def mark_stopped(self, saved_step: int, how: str) -> None:
+        """Say in the folder that the run stopped before its end (every command that reads a run folder's adapter
+        reads this): the step its last checkpoint holds, and how it stopped."""
+        (self.path / STOPPED_FILE).write_text(json.dumps(
+            {"step": saved_step, "how": how, "resume": f"minigrpo train --resume {self.path}"}) + "\n")
+
+    def clear_stopped(self) -> None:
+        (self.path / STOPPED_FILE).unlink(missing_ok=True)
+
+
+def stopped_at(run: Path) -> str | None:
+    """Where a run that stopped before its end stopped, and how to finish it (None: it did not stop early)."""
+    marker = Path(run) / STOPPED_FILE
+    if not marker.exists():
+        return None
+    stop = json.loads(marker.read_text())
+    steps = TrainConfig.load(Path(run) / "config.json").steps
+    return (f"{run} stopped before its end ({stop['how']}), at step {stop['step']} of {steps}: finish it with "
+            f"{stop['resume']}")
 
 
 def results_folder(path: Path, flag: str) -> Path:

@@ -25,6 +25,7 @@ from minigrpo import loss as L
 from minigrpo.check import precheck_rewards
 from minigrpo.config import TrainConfig
 from minigrpo.console import Display, quiet_libraries
+from minigrpo.errors import Stopped
 from minigrpo.evaluate import Evaluator
 from minigrpo.hardware import memory_in_use_gb, peak_memory_gb, reserved_memory_gb
 from minigrpo.health import StopRequest, check_health, is_out_of_memory, out_of_memory_advice
@@ -117,15 +118,19 @@ def _train(cfg: TrainConfig, resume: bool, task: Task, weights: list[float], run
         progress(step=0, stage="evaluating before training")
         display.eval(evaluate(0, full))  # before any training: the baseline every later evaluation is read against
 
+    stop = StopRequest()
+
     def save(at: int) -> Path:
         progress(step=at, stage="saving a checkpoint")
+        stop.where = f"saving step {at}'s checkpoint"
         return checkpoint.save(run.path, at, state, cfg.keep)
 
-    stop = StopRequest()
-    step, bad_in_a_row = done, 0
+    step, bad_in_a_row, halted = done, 0, None  # halted: (the step saved, how) where the run stops before its end
+    run.clear_stopped()  # a resumed run is running again
     try:
         with display, stop:
             for step in range(done + 1, cfg.steps + 1):
+                stop.where = f"step {step}"
                 display.stage(step)
                 try:
                     metrics, samples = train_step(cfg, step, state, task, weights)
@@ -143,25 +148,36 @@ def _train(cfg: TrainConfig, resume: bool, task: Task, weights: list[float], run
                     display.sample(step, random.Random(step).choice(samples))
                 if evaluate and (step == cfg.steps or (full and step % cfg.eval_every == 0)):
                     progress(step=step, stage="evaluating")
+                    stop.where = f"the evaluation after step {step}"
                     display.eval(evaluate(step, full))
-                if stop.requested:
+                if stop.requested and step < cfg.steps:
                     save(step)
-                    display.print(f"[yellow]stopped after step {step} ({stop.requested}); checkpoint saved. "
-                                  f"Resume with: minigrpo train --resume {run.path}[/]")
+                    halted = step, stop.requested
                     break
                 if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
                     save(step)
-    except KeyboardInterrupt:
-        display.print(f"[yellow]interrupted during step {step}; the adapter is saved, and the run resumes from "
-                      f"its last checkpoint with: minigrpo train --resume {run.path}[/]")
+    except KeyboardInterrupt:  # a second signal: at once, from the last checkpoint
+        saved = checkpoint.candidates(run.path)
+        halted = int(saved[0].name.removeprefix("step-")) if saved else 0, f"{stop.requested or 'interrupted'}, at once"
     except Exception:
         display.print(f"[red]step {step} failed; saving the adapter before stopping[/]")
         run.save_adapter(state.model)
         raise
+    if halted:
+        stopped(run, *halted, display)
     adapter = run.save_adapter(state.model)
     display.print(f"adapter saved to {adapter}")
     display.before_after(read_jsonl(run.path / "eval.jsonl"), cfg.eval_data)
     return run.path
+
+
+def stopped(run: RunFolder, saved_step: int, how: str, display: Display) -> None:
+    """A run stopped before its last step: the folder says so (no final adapter), and so does the exit status."""
+    run.mark_stopped(saved_step, how)
+    saved = f"its last checkpoint is step {saved_step}" if saved_step else "no checkpoint was saved yet"
+    display.print(f"[yellow]stopped ({how}); {saved}, and no final adapter was written. Finish it with: minigrpo "
+                  f"train --resume {run.path}[/]")
+    raise Stopped(f"stopped ({how})")
 
 
 def train_step(cfg: TrainConfig, step: int, state: RunState, task: Task,

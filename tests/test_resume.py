@@ -34,7 +34,8 @@ def adapter_of(run):
 
 
 def start_training(cfg: dict, env_extra=None) -> subprocess.Popen:
-    code = "import json, sys; from minigrpo import TrainConfig, train; train(TrainConfig(**json.loads(sys.argv[1])))"
+    code = ("import json, sys; from minigrpo import Stopped, TrainConfig, train\ntry:\n"
+            "    train(TrainConfig(**json.loads(sys.argv[1])))\nexcept Stopped:\n    sys.exit(75)")  # as the command
     env = dict(os.environ, **(env_extra or {}))
     return subprocess.Popen([sys.executable, "-c", code, json.dumps(cfg)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
@@ -58,8 +59,9 @@ def test_sigterm_then_resume_equals_an_uninterrupted_run(tmp_path):
     wait_for_steps(cut, 3, proc)
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, output
-    assert "Resume with: minigrpo train --resume" in " ".join(output.split())
+    assert proc.returncode == 75, output  # stopped, resumable: the API raises `Stopped`
+    assert "Finish it with: minigrpo train --resume" in " ".join(output.split())
+    assert not (cut / "adapter").exists() and (cut / "stopped.json").exists()
     stopped_at = len(metrics_of(cut))
     assert 3 <= stopped_at < 6, "it stopped after the step it was in"
     assert checkpoint.latest(cut).name == f"step-{stopped_at:06d}"

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from minigrpo.errors import STOPPED_EXIT
+
 REWARDS = '''import os, signal
 
 
@@ -153,11 +155,50 @@ def test_a_stop_request_finishes_the_step_and_saves(tmp_path, how):
         run.send_signal(signal.SIGINT)  # to the watcher only, as a notebook stops a subprocess
     out = run.communicate(timeout=600)[0]
     name = "SIGTERM" if how.startswith("SIGTERM") else "SIGINT"
-    assert run.returncode == 0 and "stopped after step" in out and f"({name})" in out, out
+    # stopped, not finished: its own exit status, no final adapter, and the folder says where and how to finish
+    assert run.returncode == STOPPED_EXIT and f"stopped ({name} during step" in out, out
     assert "minigrpo: the run" not in out
     assert list((tmp_path / "run" / "checkpoints").glob("step-*"))
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) < 30
+    assert not (tmp_path / "run" / "adapter").exists()
+    stop = json.loads((tmp_path / "run" / "stopped.json").read_text())
+    assert stop["step"] == steps[-1] and stop["how"].startswith(f"{name} during step {steps[-1]}"), stop
+    from minigrpo.model import adapter_folder
+
+    with pytest.raises(ValueError, match=f"stopped before its end .* at step {steps[-1]} of 30.*--resume"):
+        adapter_folder(tmp_path / "run")
+
+
+def test_a_stopped_run_named_by_every_command_that_reads_its_adapter(tmp_path):
+    """eval, sample, export and graduate of a stopped run: one line naming the step it stopped at and how to finish
+    it, exit status 1, nothing written; once resumed to its end, the folder is a finished run's."""
+    from typer.testing import CliRunner
+
+    from minigrpo.cli.app import app
+
+    run = start(tmp_path, "--steps", "3")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and metrics.read_text().strip()) and run.poll() is None:
+        assert time.monotonic() < deadline, "no step finished"
+        time.sleep(0.2)
+    run.send_signal(signal.SIGTERM)
+    out = run.communicate(timeout=600)[0]
+    assert run.returncode == STOPPED_EXIT, out
+    folder = str(tmp_path / "run")
+    for command in (["eval", "--task", "addition", "--adapter", folder], ["sample", "hi", "--adapter", folder],
+                    ["export", folder, "--out", str(tmp_path / "exported")]):
+        said = " ".join((result := CliRunner().invoke(app, command)).output.split())
+        assert result.exit_code == 1 and "stopped before its end (SIGTERM during step" in said, (command, said)
+        assert "finish it with minigrpo train --resume run;" in said, said  # the folder as the run was given it
+    assert not (tmp_path / "exported").exists()
+    graduated = CliRunner().invoke(app, ["graduate", folder, "--out", str(tmp_path / "trl")])  # the recipe goes on
+    assert graduated.exit_code == 0 and "stopped before its end" in " ".join(graduated.output.split())
+    finished = subprocess.run([sys.executable, "-m", "minigrpo.cli", "train", "--resume", "run"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    assert (tmp_path / "run" / "adapter").exists() and not (tmp_path / "run" / "stopped.json").exists()
 
 
 @pytest.mark.parametrize("status, where, said", [

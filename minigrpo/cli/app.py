@@ -45,6 +45,7 @@ def graduate(
     from pathlib import Path
 
     from minigrpo.graduate import graduate as write_folder
+    from minigrpo.run import stopped_at
 
     flags = list(ctx.args)
     if run and run.startswith("-"):  # after --, the first of train's flags lands in the RUN argument's place
@@ -56,6 +57,10 @@ def graduate(
             raise ValueError(f"{run} is not a run folder (it has no config.json); for a new setup give train's "
                              f"flags after --")
         cfg = TrainConfig.load(Path(run) / "config.json")
+        stopped = stopped_at(Path(run))
+        if stopped:  # its recipe graduates all the same: the TRL script trains from the start
+            Console().print(f"[yellow]note[/]: {stopped}; the TRL script trains its settings from the start",
+                            highlight=False)
     else:
         train_command = typer.main.get_command(app).get_command(ctx, "train")
         cfg = config_from_flags(train_command.make_context("train", flags).params)
