@@ -35,6 +35,7 @@ class RunFolder:
         process ends, however it ends, and the processes it forks do not hold it."""
         import fcntl
 
+        writable(self.path, "the run folder")
         self.path.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -47,6 +48,23 @@ class RunFolder:
         os.ftruncate(fd, 0)
         os.write(fd, f"minigrpo process {os.getpid()} (since {time.strftime('%H:%M:%S')})".encode())
         self.lock_fd = fd
+
+    def check_lock(self) -> None:
+        """Still the one writer? The lock lives on `.lock`'s file: if that file was deleted (a stale-lock cleanup)
+        or replaced, a second process may hold the folder's new one. Checked before each write; it stops this
+        process without writing more, in one line."""
+        if self.lock_fd is None:
+            return
+        held = os.fstat(self.lock_fd)
+        try:
+            now = os.stat(self.path / LOCK_FILE)
+            same = (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+        except OSError:
+            same = False
+        if not same:
+            raise LockLost(f"{self.path}/{LOCK_FILE} was removed or replaced while this run wrote the folder: "
+                           f"another process may be writing it now, so this one stops without writing more "
+                           f"(its last checkpoint is kept; leave {LOCK_FILE} alone while a run lives)")
 
     def unlock(self) -> None:
         if self.lock_fd is not None:
@@ -70,6 +88,7 @@ class RunFolder:
         cfg.save(self.path / "config.json")
 
     def log(self, metrics: dict, samples: list[dict]) -> None:
+        self.check_lock()
         with open(self.path / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
         with open(self.path / "samples.jsonl", "a") as f:
@@ -79,6 +98,7 @@ class RunFolder:
             report(numbers, metrics["step"])
 
     def save_adapter(self, model) -> Path:
+        self.check_lock()
         out = self.path / "adapter"
         model.save_pretrained(out)
         return out
@@ -86,6 +106,7 @@ class RunFolder:
     def mark_stopped(self, saved_step: int, how: str) -> None:
         """Say in the folder that the run stopped before its end (every command that reads a run folder's adapter
         reads this): the step its last checkpoint holds, and how it stopped."""
+        self.check_lock()
         (self.path / STOPPED_FILE).write_text(json.dumps(
             {"step": saved_step, "how": how, "resume": f"minigrpo train --resume {self.path}"}) + "\n")
 
@@ -102,6 +123,19 @@ def stopped_at(run: Path) -> str | None:
     steps = TrainConfig.load(Path(run) / "config.json").steps
     return (f"{run} stopped before its end ({stop['how']}), at step {stop['step']} of {steps}: finish it with "
             f"{stop['resume']}")
+
+
+class LockLost(ValueError):
+    """This process no longer holds its run folder's lock."""
+
+
+def writable(path: Path, what: str) -> None:
+    """Fail now, in one line, where `path` (or the folder it would be made in) cannot be written: before the work,
+    not after it."""
+    existing = next(p for p in [Path(path), *Path(path).absolute().parents] if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {path} is not writable ({existing}): make it writable, or copy the run to a "
+                         f"folder you can write and use that (nothing was written)")
 
 
 def results_folder(path: Path, flag: str) -> Path:
@@ -127,8 +161,7 @@ def usable_or_fail(path: Path, flag: str, may_hold_results: bool) -> None:
     existing = next(p for p in [path, *path.absolute().parents] if p.exists())
     if not existing.is_dir():
         raise ValueError(f"{flag} {path}: {existing} is a file, so no folder can be made there")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path}: {existing} is not writable; pick a folder you can write to")
+    writable(path, flag)
 
 
 def _reporter(name: str, path: Path):

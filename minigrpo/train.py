@@ -32,7 +32,7 @@ from minigrpo.health import StopRequest, check_health, is_out_of_memory, out_of_
 from minigrpo.model import seed_everything
 from minigrpo.plot import read_jsonl
 from minigrpo.rollout import PromptPool, collect
-from minigrpo.run import RunFolder
+from minigrpo.run import LockLost, RunFolder
 from minigrpo.state import RunState
 from minigrpo.startup import load_for_training
 from minigrpo.supervise import progress
@@ -123,6 +123,7 @@ def _train(cfg: TrainConfig, resume: bool, task: Task, weights: list[float], run
     def save(at: int) -> Path:
         progress(step=at, stage="saving a checkpoint")
         stop.where = f"saving step {at}'s checkpoint"
+        run.check_lock()
         return checkpoint.save(run.path, at, state, cfg.keep)
 
     step, bad_in_a_row, halted = done, 0, None  # halted: (the step saved, how) where the run stops before its end
@@ -159,6 +160,8 @@ def _train(cfg: TrainConfig, resume: bool, task: Task, weights: list[float], run
     except KeyboardInterrupt:  # a second signal: at once, from the last checkpoint
         saved = checkpoint.candidates(run.path)
         halted = int(saved[0].name.removeprefix("step-")) if saved else 0, f"{stop.requested or 'interrupted'}, at once"
+    except LockLost:
+        raise  # another process may own the folder now: nothing more is written
     except Exception:
         display.print(f"[red]step {step} failed; saving the adapter before stopping[/]")
         run.save_adapter(state.model)

@@ -246,3 +246,44 @@ def test_check_reward_fails_where_train_would_stop(tmp_path, reward, code, says)
                           timeout=600, env={**os.environ, "COLUMNS": "200"})
     assert done.returncode == code and says in done.stdout + done.stderr, done.stdout + done.stderr
     assert "Traceback" not in done.stdout + done.stderr
+
+
+def test_a_run_whose_lock_file_is_removed_stops_without_writing_more(tmp_path):
+    """The lock lives on `.lock`'s file: deleting it (a stale-lock cleanup) let a second `--resume` in beside the
+    live run, and both wrote the folder (steps 1, 2, 2). Now the run checks before each write that its lock is
+    still the folder's, and stops at once, in one line, writing nothing more."""
+    run = start(tmp_path, "--steps", "30")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and metrics.read_text().strip()) and run.poll() is None:
+        assert time.monotonic() < deadline, "no step finished"
+        time.sleep(0.2)
+    (tmp_path / "run" / ".lock").unlink()
+    logged = len(metrics.read_text().splitlines())
+    out = run.communicate(timeout=600)[0]
+    assert run.returncode == 1 and ".lock was removed or replaced" in " ".join(out.split()), out
+    assert "Traceback" not in out
+    assert len(metrics.read_text().splitlines()) <= logged + 1, "at most the step it had begun to write"
+    assert not (tmp_path / "run" / "adapter").exists()
+
+
+def test_a_folder_that_cannot_be_written_is_named_before_any_work(tmp_path, monkeypatch, tiny_model_path):
+    """A read-only run folder (tests run as root, for whom every folder is writable: the fact is a stand-in):
+    `train --resume` and `eval` of it say so in one line before loading anything (eval used to evaluate for 46 s,
+    then fail writing eval.jsonl)."""
+    from typer.testing import CliRunner
+
+    import minigrpo.run
+    from minigrpo.cli.app import app
+    from minigrpo.config import TrainConfig
+
+    folder = tmp_path / "run"
+    (folder / "adapter").mkdir(parents=True)
+    TrainConfig(steps=2).save(folder / "config.json")
+    (folder / "adapter" / "adapter_config.json").write_text("{}")
+    real = os.access
+    monkeypatch.setattr(minigrpo.run.os, "access", lambda p, mode: False if Path(p) == folder else real(p, mode))
+    for command in (["train", "--resume", str(folder)], ["eval", "--task", "addition", "--adapter", str(folder)]):
+        result = CliRunner().invoke(app, command)
+        said = " ".join(result.output.split())
+        assert result.exit_code == 1 and f"{folder} is not writable" in said and "nothing was written" in said, said

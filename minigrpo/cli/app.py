@@ -98,7 +98,7 @@ def eval_command(
     from minigrpo.evaluate import Evaluator
     from minigrpo.generate.hf import HFGenerator
     from minigrpo.model import adapter_folder, load_trained, seed_everything
-    from minigrpo.run import results_folder
+    from minigrpo.run import results_folder, writable
     from minigrpo.tasks import check_sandbox, get_task
     
     for flag, value in (("--prompts", prompts), ("--samples", samples)):
@@ -108,6 +108,8 @@ def eval_command(
     check_sandbox(t, allow_unconfined_code, Console().print)
     adapter = adapter and adapter_folder(adapter)
     folder = results_folder(Path(out), "--out") if out else adapter.parent if adapter else None
+    if folder is not None:
+        writable(folder, "the run folder (where eval.jsonl goes; or give --out)")  # before the work, not after
     # the run's own seed by default: it decides the held-out split, which must be the one training never saw
     policy, tokenizer, cfg = load_trained(adapter, model, max_new_tokens=max_new_tokens, max_turns=max_turns,
                                           eval_prompts=prompts, eval_samples=samples, seed=seed, eval_data=eval_data)
