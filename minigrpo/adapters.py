@@ -34,7 +34,40 @@ def adapter_settings(folder: str | Path, flag: str) -> dict:
         raise ValueError(f"{flag} {folder}: its adapter_config.json has no LoRA rank (r): not a LoRA adapter")
     if not any((folder / name).is_file() for name in ("adapter_model.safetensors", "adapter_model.bin")):
         raise ValueError(f"{flag} {folder}: no adapter weights in it (adapter_model.safetensors)")
+    extra = not_lora(settings, folder)
+    if extra:
+        raise ValueError(f"{flag} {folder} carries {'; '.join(extra)} besides its LoRA weights, which would be written "
+                         f"into this run's frozen base: save it with LoRA weights only (in PEFT's LoraConfig: "
+                         f"modules_to_save=None, trainable_token_indices=None, use_dora=False, bias=\"none\")")
     return settings
+
+
+def not_lora(settings: dict, folder: Path) -> list[str]:
+    """What an adapter holds besides LoRA's A and B matrices, from its config and its weights' names: trained
+    copies of whole modules (TRL and PEFT's `modules_to_save`, e.g. the lm head), trainable tokens, DoRA's magnitude
+    vectors, biases. A run's base is frozen and its own adapter is LoRA alone, so none of them can be carried.
+
+    >>> not_lora({"r": 8, "modules_to_save": ["lm_head"], "use_dora": True, "bias": "none"}, Path("."))
+    ['modules_to_save (lm_head)', 'DoRA magnitudes']
+    """
+    found = []
+    if settings.get("modules_to_save"):
+        found.append(f"modules_to_save ({', '.join(settings['modules_to_save'])})")
+    if settings.get("trainable_token_indices"):
+        found.append("trainable tokens")
+    if settings.get("use_dora"):
+        found.append("DoRA magnitudes")
+    if settings.get("bias", "none") != "none":
+        found.append(f"biases (bias={settings['bias']!r})")
+    weights = Path(folder) / "adapter_model.safetensors"
+    if weights.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(weights), framework="pt") as f:
+            others = [k for k in f.keys() if "lora_A" not in k and "lora_B" not in k]
+        if others and not found:
+            found.append(f"{len(others)} other tensors ({', '.join(others[:2])}{', ...' * (len(others) > 2)})")
+    return found
 
 
 def lora_scale(settings: dict) -> float:

@@ -274,3 +274,27 @@ def test_sft_builds_no_generator_and_skips_a_step_that_is_not_finite(tmp_path, m
     assert any(t.abs().sum() > 0 for name, t in weights.items() if "lora_B" in name), "the finite steps applied"
     record = json.loads((tmp_path / "out" / "sft.json").read_text())
     assert record["skipped_steps"] == {"overflow": 0, "nonfinite": 1} and len(calls) == 3
+
+
+@pytest.mark.parametrize("extra, says", [(dict(modules_to_save=["lm_head"]), "modules_to_save (lm_head)"),
+                                         (dict(use_dora=True), "DoRA magnitudes"),
+                                         (dict(bias="lora_only"), "biases")])
+def test_an_adapter_carrying_more_than_lora_is_refused_before_it_can_touch_the_base(tmp_path, tiny_model_path,
+                                                                                      extra, says):
+    """A PEFT or TRL adapter saved with `modules_to_save=["lm_head"]` was copied into the frozen base by
+    --init-adapter (a zeroed head: the first step's entropy was ln(vocab)); now any adapter holding more than LoRA's
+    A and B is refused in one line, before the model loads and before a run folder is made."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    peft = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"],
+                                           task_type="CAUSAL_LM", **extra))
+    peft.save_pretrained(tmp_path / "adapter")
+    for flags in (["--init-adapter"], ["--beta", "0.04", "--reference-adapter"]):
+        result = CliRunner().invoke(app, ["train", *flags, str(tmp_path / "adapter"), "--steps", "1",
+                                          "--out", str(tmp_path / "run")])
+        said = " ".join(result.output.split())
+        assert result.exit_code != 0 and says in said and "LoRA weights only" in said, said
+        assert not (tmp_path / "run").exists()
