@@ -21,6 +21,7 @@ from pathlib import Path
 
 from minigrpo.config import TrainConfig
 from minigrpo.data import DATA_SUFFIXES, read_rows
+from minigrpo.sources.spec import repeated_prompts
 from minigrpo.tasks import Task
 
 
@@ -68,7 +69,9 @@ def evaluation(cfg: TrainConfig, task: Task, train_rows: list[dict]) -> tuple[Tr
             f"task {task.name} has no held-out rows, so the before/after evaluation is skipped; for it, "
             f"{HOW_TO_HOLD_OUT}")
     if not cfg.eval_data:
-        return cfg, None
+        repeats = repeated_prompts(read_rows(task.source)) if task.source is not None else 0
+        return cfg, (f"{task.source}: {repeats} rows repeat an earlier row's prompt; each prompt is kept to one "
+                     f"split, so none of the held-out ones is trained on") if repeats else None
     trained = {json.dumps(r["prompt"], sort_keys=True) for r in train_rows}
     seen = sum(json.dumps(r["prompt"], sort_keys=True) in trained for r in rows)
     return cfg, f"{seen} of the {len(rows)} held-out prompts are also training prompts" if seen else None

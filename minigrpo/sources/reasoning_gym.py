@@ -80,8 +80,12 @@ def task_fields(name: str, size: int = DEFAULT_SIZE, seed: int | None = None, sy
         data = dataset(split, run_seed)
         if held_out is not None:  # the question space split by hash: no held-out question is trained on or shown
             if split == "train":
-                return [_row(entry, split, i, run_seed, system) for i, entry in enumerate(data)
+                rows = [_row(entry, split, i, run_seed, system) for i, entry in enumerate(data)
                         if not in_held_out(entry["question"])]
+                if not rows:
+                    raise ValueError(f"rg:{name}: held_out={held_out} keeps every one of the {size} questions "
+                                     f"drawn for training out of it: lower held_out, or raise size")
+                return rows
             seen, rows = {entry["question"] for entry in examples}, []  # each question once, none shown
             for i, entry in enumerate(data):
                 if in_held_out(entry["question"]) and entry["question"] not in seen:

@@ -9,6 +9,7 @@ fixed held-out slice of a list of rows.
 from __future__ import annotations
 
 import ast
+import json
 import random
 
 
@@ -25,6 +26,8 @@ def parse_spec(spec: str) -> tuple[str, dict]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"--task {spec}: options are key=value, separated by commas ({item!r} is not)")
+        if key.strip() in parsed:
+            raise ValueError(f"--task {spec}: {key.strip()} is given twice; give it once")
         try:
             parsed[key.strip()] = ast.literal_eval(value.strip())
         except (ValueError, SyntaxError):
@@ -43,9 +46,29 @@ def held_out_size(rows: int) -> int:
 
 
 def split_rows(rows: list[dict], split: str, seed: int) -> list[dict]:
-    """A fixed, seeded held-out slice for "test" (held_out_size's); the rest for "train"."""
-    order = list(range(len(rows)))
+    """A fixed, seeded held-out slice for "test" (held_out_size's), the rest for "train", split by prompt: rows that
+    repeat a prompt all go where its first one goes, so no held-out prompt is ever trained on. (Without repeats,
+    the same rows as a split of the rows themselves.)
+
+    >>> rows = [{"prompt": f"q{i % 12}"} for i in range(24)]  # each prompt twice
+    >>> test, train = split_rows(rows, "test", 0), split_rows(rows, "train", 0)
+    >>> len(test), len(train), {r["prompt"] for r in test} & {r["prompt"] for r in train}
+    (2, 22, set())
+    """
+    keys = [prompt_key(row) for row in rows]
+    distinct = list(dict.fromkeys(keys))
+    order = list(range(len(distinct)))
     random.Random(seed).shuffle(order)
-    n_test = held_out_size(len(rows))
-    chosen = order[:n_test] if split == "test" else order[n_test:]
-    return [rows[i] for i in sorted(chosen)]
+    held = {distinct[i] for i in order[:held_out_size(len(distinct))]}
+    return [row for row, key in zip(rows, keys) if (key in held) == (split == "test")]
+
+
+def prompt_key(row: dict) -> str:
+    """A row's prompt as one string (a chat's messages included), what decides its split."""
+    prompt = row.get("prompt", row)
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)
+
+
+def repeated_prompts(rows: list[dict]) -> int:
+    """How many rows repeat an earlier row's prompt (kept to that prompt's split: `split_rows`)."""
+    return len(rows) - len({prompt_key(row) for row in rows})
