@@ -219,8 +219,6 @@ def rehearse(preset: str, gpu, top_p: float = 1.0, prompt_tokens: int = 192, say
 def _trainer_parts(policy, lora: list, counter: LiveBytes, cfg, s, memory, dtype, row) -> None:
     """AdamW's step on the adapter, the trunk's forward and backward, the lm head's log-probs, one micro-batch's
     update and one SFT step, each beside the plan's figure (`row(name, counted bytes, planned GB)`)."""
-    import dataclasses
-
     from minigrpo.logprobs import HeadLogprobs, positions
     from minigrpo.plan import ADAPTER_BYTES
     from minigrpo.sft import sft_step
@@ -262,11 +260,11 @@ def _trainer_parts(policy, lora: list, counter: LiveBytes, cfg, s, memory, dtype
         memory.logprob_gb(micro, T))
 
     # one micro-batch of full-length completions (the rollout's fields the update reads), as a rollout makes
-    prompts = max(1, micro // cfg.num_generations)
+    prompts = -(-micro // cfg.num_generations)  # completion i continues prompt i // G
     batch = SimpleNamespace(prompt_ids=[[0] * Lp] * prompts, completion_ids=[[0] * T] * micro,
                             truncated=[False] * micro, model_masks=None,
                             sampler_logps=[[0.0] * T] * micro if top_p < 1 else None)
-    mb = micro_batches(dataclasses.replace(cfg, num_generations=micro // prompts), batch, 0, "meta")
+    mb = micro_batches(cfg, batch, 0, "meta")
     scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)  # a T4 scales float16 losses
     planned = memory.training_gb(micro, Lp, T) + sizes.lora_per_rank * cfg.lora_rank * 4 / GiB  # and gradients
     update = lambda: policy_update(cfg, policy, mb, torch.zeros(micro), optimizer, scaler)  # noqa: E731
