@@ -54,6 +54,8 @@ CARDS: dict[str, Gpu] = {
 def card(name: str | None, memory_gb: float | None = None) -> Gpu | None:
     """A named card (`--gpu t4`), a card of `memory_gb` GiB with bf16 (`--gpu-memory 24`), or None."""
     if memory_gb is not None:
+        if not 0 < memory_gb < 1e4:
+            raise ValueError(f"--gpu-memory {memory_gb:g}: a card's memory in GB, above 0 (e.g. 24)")
         base = CARDS.get(name or "", Gpu(f"a {memory_gb:g} GB card", (8, 6), memory_gb))
         return Gpu(base.name, base.capability, memory_gb, base.host_gb)
     if name is None:

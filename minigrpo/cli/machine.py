@@ -22,21 +22,25 @@ def plan_command(
     model: str = typer.Option("qwen-1.5b", help="Preset name, hub id or local folder (only its config is read)."),
     gpu: str = typer.Option(None, help="A card: t4, v100, 3060, 4060ti, l4, a10, 3090, 4090, a100-40, a100-80, h100 [default: this machine's]."),
     gpu_memory: float = typer.Option(None, help="A card with this many GB instead of a named one [default: none]."),
-    num_generations: int = typer.Option(None, "--num-generations", "-G", help=f"Completions per prompt. {PRESET_HELP}"),
-    prompts_per_step: int = typer.Option(None, help=f"Prompts per step. {PRESET_HELP}"),
-    max_new_tokens: int = typer.Option(None, help=f"Completion length limit. {PRESET_HELP}"),
-    micro_batch_size: int = typer.Option(8, help="Completions per forward/backward pass."),
-    lora_rank: int = typer.Option(None, help=f"LoRA rank. {PRESET_HELP}"),
+    num_generations: int = typer.Option(None, "--num-generations", "-G", min=1,
+                                        help=f"Completions per prompt. {PRESET_HELP}"),
+    prompts_per_step: int = typer.Option(None, min=1, help=f"Prompts per step. {PRESET_HELP}"),
+    max_new_tokens: int = typer.Option(None, min=1, help=f"Completion length limit. {PRESET_HELP}"),
+    micro_batch_size: int = typer.Option(8, min=1, help="Completions per forward/backward pass."),
+    lora_rank: int = typer.Option(None, min=1, help=f"LoRA rank. {PRESET_HELP}"),
     generator: str = typer.Option("auto", help="vllm | hf | auto."),
     dtype: str = typer.Option("auto", help="auto | bfloat16 | float16 | float32."),
     load_in_4bit: bool = typer.Option(True, "--4bit/--no-4bit", help="nf4 base, or 16-bit."),
-    eval_every: int = typer.Option(TRAIN.eval_every, help="As train's: a sampled evaluation, prompts x samples."),
-    eval_prompts: int = typer.Option(TRAIN.eval_prompts, help="Held-out prompts an evaluation decodes at once."),
-    eval_samples: int = typer.Option(TRAIN.eval_samples, help="Samples per held-out prompt (with --eval-every)."),
+    eval_every: int = typer.Option(TRAIN.eval_every, min=0,
+                                   help="As train's: a sampled evaluation, prompts x samples."),
+    eval_prompts: int = typer.Option(TRAIN.eval_prompts, min=1, help="Held-out prompts an evaluation decodes at once."),
+    eval_samples: int = typer.Option(TRAIN.eval_samples, min=1,
+                                     help="Samples per held-out prompt (with --eval-every)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per card, for scripts."),
     rehearse: bool = typer.Option(False, help="Also run a step's code at the preset's sizes on tensors without "
                                               "data, and print each part's counted peak beside the plan's."),
-    top_p: float = typer.Option(TRAIN.top_p, help="As train's (with --rehearse: the log-prob path it sizes)."),
+    top_p: float = typer.Option(TRAIN.top_p, min=0.0, max=1.0, help="As train's (with --rehearse: the log-prob path "
+                                                                     "it sizes)."),
 ) -> None:
     """Before any download: what a run would use on a card (dtype, generator, engine share, peak) and if it fits;
     on this machine's GPU by default, else on every known card."""
@@ -118,8 +122,8 @@ machine_app.add_typer(bench_app, name="bench")
 def bench_compare(
     variant: list[str] = typer.Option(..., help="NAME:key=value,key=value (repeat; the first is the baseline)."),
     set_: list[str] = typer.Option([], "--set", help="key=value for every variant (repeat) [default: none]."),
-    steps: int = typer.Option(4, help="Steps per run; the first is left out of the medians."),
-    rounds: int = typer.Option(1, help="Runs per variant, taken in turns."),
+    steps: int = typer.Option(4, min=2, help="Steps per run; the first is left out of the medians."),
+    rounds: int = typer.Option(1, min=1, help="Runs per variant, taken in turns."),
 ) -> None:
     """Train the same run under several variants, side by side: seconds per step, sync, memory, ratios."""
     from minigrpo.bench.steps import compare, parse_settings
@@ -134,8 +138,8 @@ def bench_compare(
 @bench_app.command("trl")
 @clear_errors
 def bench_trl(
-    steps: int = typer.Option(6, help="Steps per run; the first is left out of the medians."),
-    rounds: int = typer.Option(1, help="Runs per trainer, taken in turns."),
+    steps: int = typer.Option(6, min=2, help="Steps per run; the first is left out of the medians."),
+    rounds: int = typer.Option(1, min=1, help="Runs per trainer, taken in turns."),
     against: list[str] = typer.Option([], help="Another checkout of minigrpo (a folder) to run beside this one "
                                                "(repeat) [default: none]."),
 ) -> None:
@@ -152,13 +156,13 @@ def bench_trl(
 @clear_errors
 def bench_learn(
     task: str = typer.Option(TrainConfig.task, help="The task to learn (any --task of train)."),
-    seed: list[int] = typer.Option([0, 1, 2], help="A seed to train under (repeat) [default: 0, 1, 2]."),
-    steps: int = typer.Option(TrainConfig.steps, help="Optimizer steps per run."),
-    eval_every: int = typer.Option(0, help="Evaluate every this many steps too, for the curve (0: before and "
-                                           "after only)."),
-    eval_prompts: int = typer.Option(TrainConfig.eval_prompts, help="Held-out prompts per evaluation."),
-    eval_samples: int = typer.Option(TrainConfig.eval_samples, help="Samples per prompt for the mean reward of the "
-                                                                    "evaluations every --eval-every steps."),
+    seed: list[int] = typer.Option([0, 1, 2], min=0, help="A seed to train under (repeat) [default: 0, 1, 2]."),
+    steps: int = typer.Option(TrainConfig.steps, min=1, help="Optimizer steps per run."),
+    eval_every: int = typer.Option(0, min=0, help="Evaluate every this many steps too, for the curve (0: before "
+                                                  "and after only)."),
+    eval_prompts: int = typer.Option(TrainConfig.eval_prompts, min=1, help="Held-out prompts per evaluation."),
+    eval_samples: int = typer.Option(TrainConfig.eval_samples, min=1, help="Samples per prompt for the mean reward "
+                                                                           "of the evaluations every --eval-every steps."),
     set_: list[str] = typer.Option([], "--set", help="key=value of any train setting (repeat) [default: none]."),
     with_trl: bool = typer.Option(False, help="Train the same through TRL's GRPOTrainer too (pip install trl)."),
     out: str = typer.Option("cards", help="Folder for the card (NAME.json, NAME.md) and its runs (runs/)."),
@@ -213,7 +217,7 @@ def bench_memory() -> None:
 
 @bench_app.command("sandbox")
 @clear_errors
-def bench_sandbox(runs: int = typer.Option(40, help="Programs per side, taken in turns.")) -> None:
+def bench_sandbox(runs: int = typer.Option(40, min=1, help="Programs per side, taken in turns.")) -> None:
     """Milliseconds per program in the code sandbox, against a bare interpreter running it."""
     from rich.table import Table
 
@@ -233,8 +237,8 @@ def bench_sandbox(runs: int = typer.Option(40, help="Programs per side, taken in
 def bench_decode_command(
     preset: list[str] = typer.Option(["smollm2-135m", "qwen-1.5b"], "--preset",
                                      help="Presets whose depth and layer kinds to copy (repeat)."),
-    rows: list[int] = typer.Option([1, 16, 64], "--rows", help="Rows decoded together (repeat)."),
-    threads: int = typer.Option(1, help="Torch threads on a cpu: one core measures the host's work alone."),
+    rows: list[int] = typer.Option([1, 16, 64], "--rows", min=1, help="Rows decoded together (repeat)."),
+    threads: int = typer.Option(1, min=1, help="Torch threads on a cpu: one core measures the host's work alone."),
     load_in_4bit: bool = typer.Option(None, "--4bit/--no-4bit",
                                       help="nf4 base + LoRA as training uses them [default: where bitsandbytes is]."),
     real: bool = typer.Option(False, "--real", help="Also the offline smollm2-135m's tokens/s at the quick start's "
@@ -290,11 +294,11 @@ def bench_decode_command(
 @clear_errors
 def bench_model_command(
     model: str = typer.Option("smollm2-135m", "--model", help="A preset; random weights of its shape if absent."),
-    num_generations: list[int] = typer.Option([4, 8], "--num-generations", "-G",
+    num_generations: list[int] = typer.Option([4, 8], "--num-generations", "-G", min=1,
                                               help="Values of G to measure (repeat)."),
-    max_new_tokens: list[int] = typer.Option([], help="Completion lengths to measure (repeat); "
+    max_new_tokens: list[int] = typer.Option([], min=1, help="Completion lengths to measure (repeat); "
                                                     "[default: 128 and 512 on a GPU, 32 and 64 on CPU]."),
-    steps: int = typer.Option(3, help="Steps per setting; the first is left out."),
+    steps: int = typer.Option(3, min=2, help="Steps per setting; the first is left out."),
     generator: str = typer.Option("auto", help="vllm | hf | auto."),
     random_weights: bool = typer.Option(False, help="Random weights even where the real ones are here: every "
                                                      "completion runs to max new tokens, the worst case."),
@@ -327,8 +331,9 @@ def plans_for(cfg, gpu: str | None, gpu_memory: float | None) -> dict:
     from minigrpo.hardware import CARDS, card, this_gpu, vllm_available
     from minigrpo.plan import Settings, make_plan
 
-    here = None if gpu or gpu_memory else this_gpu()
-    cards = ({gpu or f"{gpu_memory:g} GB": card(gpu, gpu_memory)} if gpu or gpu_memory else
+    named = gpu is not None or gpu_memory is not None
+    here = None if named else this_gpu()
+    cards = ({gpu or f"{gpu_memory:g} GB": card(gpu, gpu_memory)} if named else
              {"this GPU": here} if here else dict(CARDS))
     installed = vllm_available() if here else True  # for another machine's card, assume it will have vLLM
     return {label: make_plan(shape_of(cfg), c, Settings.of(cfg), installed) for label, c in cards.items()}

@@ -21,14 +21,14 @@ def sample(
                                         "and score each completion [default: none, the prompts given]."),
     tool: list[str] = typer.Option([], help="A tool the model may call, file.py:function (repeat): each "
                                             "completion becomes an episode [default: the task's own, else none]."),
-    prompts: int = typer.Option(2, help="Held-out prompts, with --task."),
+    prompts: int = typer.Option(2, min=1, help="Held-out prompts, with --task."),
     adapter: str = typer.Option(None, help="A trained adapter folder (runs/<run>/adapter) [default: none, the base model]."),
     model: str = typer.Option(None, help="Base model [default: the adapter's run config, else smollm2-135m]."),
-    samples: int = typer.Option(1, help="Samples per prompt to show."),
-    max_new_tokens: int = typer.Option(256, help="Completion length limit (per turn, in an episode)."),
-    max_turns: int = typer.Option(None, help="Model turns per episode [default: the run's, else 4]."),
-    temperature: float = typer.Option(0.7, help="Sampling temperature; 0 is greedy."),
-    seed: int = typer.Option(0),
+    samples: int = typer.Option(1, min=1, help="Samples per prompt to show."),
+    max_new_tokens: int = typer.Option(256, min=1, help="Completion length limit (per turn, in an episode)."),
+    max_turns: int = typer.Option(None, min=1, help="Model turns per episode [default: the run's, else 4]."),
+    temperature: float = typer.Option(0.7, min=0.0, help="Sampling temperature; 0 is greedy."),
+    seed: int = typer.Option(0, min=0, help="Seed of the draws."),
     allow_unconfined_code: bool = typer.Option(False, help=UNCONFINED_HELP),
 ) -> None:
     """Sample completions (or episodes, turn by turn) from a trained adapter or the base model."""
@@ -66,7 +66,7 @@ def chat(
     adapter: str = typer.Option(None, help="A trained adapter folder [default: none, the base model]."),
     model: str = typer.Option(None, help="Base model [default: the adapter's run config, else smollm2-135m]."),
     max_new_tokens: int = typer.Option(256, help="Reply length limit."),
-    temperature: float = typer.Option(0.7, help="Sampling temperature; 0 is greedy."),
+    temperature: float = typer.Option(0.7, min=0.0, help="Sampling temperature; 0 is greedy."),
 ) -> None:
     """Talk to a trained adapter; an empty line or `exit` ends the chat."""
     from minigrpo.generate import Sampling
