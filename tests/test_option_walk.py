@@ -22,17 +22,33 @@ def _stop_work(monkeypatch):
     import minigrpo.bench.learn
     import minigrpo.bench.steps
     import minigrpo.evaluate
+    import importlib
+
     import minigrpo.rehearse
 
     def reached(*args, **kwargs):
         raise Reached
 
+    import minigrpo.bench.trl
+    import minigrpo.check
+    import minigrpo.model
+    import minigrpo.sandbox.runner
+    import minigrpo.sft
+
     for module, name in [(minigrpo.bench.decode, "bench_decode"), (minigrpo.bench.steps, "bench_model"),
-                         (minigrpo.evaluate, "sample_completions"), (minigrpo.rehearse, "rehearse")]:
+                         (minigrpo.bench.steps, "compare"), (minigrpo.bench.learn, "learn"),
+                         (minigrpo.bench.trl, "compare_with_trl"), (minigrpo.sandbox.runner, "overhead"),
+                         (minigrpo.evaluate, "sample_completions"), (minigrpo.rehearse, "rehearse"),
+                         (minigrpo.model, "load_trained"), (minigrpo.check, "check_task"), (minigrpo.sft, "sft"),
+                         (importlib.import_module("minigrpo.train"), "train")]:  # the package's `train` is the function
         monkeypatch.setattr(module, name, reached)
 
 
-COMMANDS = [["plan"], ["bench", "decode"], ["bench", "model"], ["sample", "hi"]]
+# each command with the arguments it needs besides the option walked (a data file: the test writes it)
+COMMANDS = [["plan"], ["bench", "decode"], ["bench", "model"], ["bench", "learn"], ["bench", "trl"],
+            ["bench", "compare"], ["bench", "sandbox"], ["sample", "hi"], ["train"], ["eval", "--task", "addition"],
+            ["check-reward", "--task", "addition"], ["sft", "--task", "rows.jsonl", "--out", "warm"]]
+WORDS = {"hi", "--task", "addition", "rows.jsonl", "--out", "warm"}
 
 
 def _number_options(path: list[str]):
@@ -47,7 +63,7 @@ def _number_options(path: list[str]):
             yield param.opts[0]
 
 
-CASES = [(path, flag, value) for path in COMMANDS for flag in _number_options([p for p in path if p != "hi"])
+CASES = [(path, flag, value) for path in COMMANDS for flag in _number_options([p for p in path if p not in WORDS])
          for value in ("0", "-1", "1e30", "many")]
 
 
@@ -55,6 +71,9 @@ CASES = [(path, flag, value) for path in COMMANDS for flag in _number_options([p
 def test_every_number_option_is_refused_by_name_or_starts_the_work(path, flag, value, monkeypatch, tmp_path):
     _stop_work(monkeypatch)
     monkeypatch.chdir(tmp_path)
+    if "rows.jsonl" in path:
+        (tmp_path / "rows.jsonl").write_text('{"prompt": "What is 1 + 1?", "completion": "2"}\n')
+    before = set(os.listdir(tmp_path))
     args = [*path, flag, value] + (["--gpu", "t4"] if path == ["plan"] and flag != "--gpu-memory" else [])
     result = CliRunner().invoke(app, args)
     if isinstance(result.exception, Reached) or result.exit_code == 0:
@@ -62,8 +81,9 @@ def test_every_number_option_is_refused_by_name_or_starts_the_work(path, flag, v
         return
     assert result.exit_code in (1, 2), (args, result.output, result.exception)
     assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), result.exception
-    assert flag in result.output or flag.lstrip("-") in result.output, (args, result.output)
-    assert not os.listdir(tmp_path), "nothing written"
+    named = (flag, flag.lstrip("-"), flag.lstrip("-").replace("-", "_"))  # the flag, or its config field
+    assert any(name in result.output for name in named), (args, result.output)
+    assert set(os.listdir(tmp_path)) == before, "nothing written"
 
 
 @pytest.mark.parametrize("args", [["bench", "decode", "--rows", "0"], ["bench", "decode", "--rows", "-3"],

@@ -80,11 +80,12 @@ def eval_command(
                                             "task's own]."),
     prompts: int = typer.Option(64, help="Held-out prompts."),
     samples: int = typer.Option(4, help="Samples per prompt for the mean reward."),
-    max_new_tokens: int = typer.Option(None, help="Completion length limit [default: the run's, else the preset's]."),
-    max_turns: int = typer.Option(None, help="Model turns per episode [default: the run's, else "
-                                             f"{TrainConfig.max_turns}]."),
+    max_new_tokens: int = typer.Option(None, min=1, help="Completion length limit [default: the run's, else the "
+                                                         "preset's]."),
+    max_turns: int = typer.Option(None, min=1, help="Model turns per episode [default: the run's, else "
+                                                    f"{TrainConfig.max_turns}]."),
     out: str = typer.Option(None, help="Folder for eval.jsonl [default: the adapter's run folder]."),
-    seed: int = typer.Option(None, help="Seed of the held-out split [default: the run's, else 0]."),
+    seed: int = typer.Option(None, min=0, help="Seed of the held-out split [default: the run's, else 0]."),
     eval_data: str = typer.Option(None, help="A data file of held-out rows [default: the run's --eval-data, else "
                                              "the task's held-out split]."),
     allow_unconfined_code: bool = typer.Option(False, help=UNCONFINED_HELP),
@@ -174,14 +175,14 @@ def check_reward(
     tool: list[str] = typer.Option([], help="A tool the model may call, file.py:function (repeat): each "
                                             "completion becomes an episode [default: the task's own]."),
     model: str = typer.Option("smollm2-135m", help="The model to sample completions from."),
-    max_prompt_tokens: int = typer.Option(512, help="Prompt length limit, as train has it."),
-    prompts: int = typer.Option(4, help="Prompts to sample completions for."),
-    samples: int = typer.Option(None, help="Samples per prompt, a group's spread as training sees it [default: the "
-                                           "model preset's G]."),
-    max_new_tokens: int = typer.Option(None, help="Completion length limit [default: from the model preset]."),
-    max_turns: int = typer.Option(None, help=f"Model turns per episode [default: {TrainConfig.max_turns}]."),
+    max_prompt_tokens: int = typer.Option(512, min=1, help="Prompt length limit, as train has it."),
+    prompts: int = typer.Option(4, min=1, help="Prompts to sample completions for."),
+    samples: int = typer.Option(None, min=1, help="Samples per prompt, a group's spread as training sees it "
+                                                  "[default: the model preset's G]."),
+    max_new_tokens: int = typer.Option(None, min=1, help="Completion length limit [default: from the model preset]."),
+    max_turns: int = typer.Option(None, min=1, help=f"Model turns per episode [default: {TrainConfig.max_turns}]."),
     no_model: bool = typer.Option(False, "--no-model", help="Only the worked examples and the data; load no model."),
-    seed: int = typer.Option(0),
+    seed: int = typer.Option(0, min=0, help="Seed of the data order and the draws."),
     allow_unconfined_code: bool = typer.Option(False, help=UNCONFINED_HELP),
 ) -> None:
     """Run the rewards on worked examples and on sampled completions; warn about broken or useless ones."""

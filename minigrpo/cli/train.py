@@ -96,7 +96,7 @@ def train(
     gpu_memory_utilization: float = typer.Option(None, help="The vLLM engine's share of the card's memory "
                                                             "[default: sized from the model, see `minigrpo plan`]."),
     tis_cap: float = typer.Option(2.0, help="Cap of the truncated importance-sampling weight (0: off)."),
-    seed: int = typer.Option(0, help="Seed for data order, sampling and initialisation."),
+    seed: int = typer.Option(0, min=0, help="Seed for data order, sampling and initialisation."),
     dtype: str = typer.Option("auto", help="Compute dtype: auto (bfloat16 on sm_80+, float16 on older GPUs, float32 "
                                            "on cpu), bfloat16, float16 or float32."),
     load_in_4bit: bool = typer.Option(None, "--4bit/--no-4bit",
@@ -108,7 +108,7 @@ def train(
         None, "--gradient-checkpointing/--no-gradient-checkpointing",
         help="Recompute activations in backward: less memory, slower steps [default: off on a cpu with room "
              "(`minigrpo plan` says), on on a GPU]."),
-    sample_every: int = typer.Option(5, help="Show a sampled completion every N steps (0: never)."),
+    sample_every: int = typer.Option(5, min=0, help="Show a sampled completion every N steps (0: never)."),
     report_to: list[str] = typer.Option([], help="Also log to tensorboard and/or wandb (repeat) [default: none]."),
 ) -> None:
     """Train a LoRA adapter with GRPO and write a run folder."""
@@ -194,7 +194,7 @@ def sft(
     load_in_4bit: bool = typer.Option(None, "--4bit/--no-4bit",
                                       help="nf4 base, or the compute dtype [default: 4-bit on GPU, the compute dtype on cpu]."),
     dtype: str = typer.Option("auto", help="Compute dtype, as for train."),
-    seed: int = typer.Option(0, help="Seed for the example order and initialisation."),
+    seed: int = typer.Option(0, min=0, help="Seed for the example order and initialisation."),
 ) -> None:
     """A supervised warm-up: LoRA on the completion tokens of worked examples, for `train --init-adapter`."""
     from pathlib import Path
