@@ -75,10 +75,46 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
     fig.suptitle(f"{config.get('model', '')} on {config.get('task', '')}: {run_dir.name}", fontsize=10)
     fig.tight_layout()
-    out = Path(out) if out else run_dir / "curves.png"
+    out = png_path(out, run_dir, "curves.png")
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def png_path(out: Path | None, beside: Path, name: str) -> Path:
+    """Where the picture goes: `out` itself, inside `out` where it is a folder (or written as one, `out/`), or
+    `name` in `beside`; a path without a suffix gets .png, so the path said is the path written.
+
+    >>> import tempfile; folder = Path(tempfile.mkdtemp())
+    >>> png_path(folder, Path("run"), "curves.png") == folder / "curves.png", png_path(None, Path("run"), "c.png")
+    (True, PosixPath('run/c.png'))
+    >>> png_path(Path("figures/curves"), Path("run"), "c.png")
+    PosixPath('figures/curves.png')
+    """
+    if out is None:
+        return Path(beside) / name
+    if Path(out).is_dir() or str(out).endswith("/"):
+        Path(out).mkdir(parents=True, exist_ok=True)
+        return Path(out) / name
+    return Path(out) if Path(out).suffix else Path(out).with_suffix(".png")
+
+
+def read_card(path: Path) -> dict:
+    """A result card (`bench learn`'s NAME.json), or one line naming the file and what is wrong with it."""
+    text = Path(path).read_text(errors="replace") if Path(path).is_file() else None
+    if text is None:
+        raise ValueError(f"{path}: no such file; give a result card (bench learn's NAME.json) or a run folder")
+    if not text.strip():
+        raise ValueError(f"{path} is empty: not a result card (bench learn writes them)")
+    try:
+        card = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error.msg}, line {error.lineno}): not a result card") from None
+    missing = [key for key in ("trainers", "eval", "model", "task", "steps", "seeds") if
+               not isinstance(card, dict) or key not in card]
+    if missing:
+        raise ValueError(f"{path} is not a result card (bench learn writes them): it has no {', '.join(missing)}")
+    return card
 
 
 def plot_card(card_path: Path, out: Path | None = None) -> Path:
@@ -89,9 +125,7 @@ def plot_card(card_path: Path, out: Path | None = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    card = json.loads(Path(card_path).read_text())
-    if not isinstance(card, dict) or "trainers" not in card:
-        raise ValueError(f"{card_path} is not a result card (bench learn writes them)")
+    card = read_card(Path(card_path))
     fig, ax = plt.subplots(figsize=(7, 4))
     for colour, (trainer, result) in zip(("tab:blue", "tab:orange", "tab:green"), card["trainers"].items()):
         for i, run in enumerate(result["runs"]):
@@ -104,7 +138,7 @@ def plot_card(card_path: Path, out: Path | None = None) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    out = Path(out) if out else Path(card_path).with_suffix(".png")
+    out = png_path(out, Path(card_path).parent, Path(card_path).with_suffix(".png").name)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out

@@ -91,6 +91,30 @@ def test_plot_writes_a_png(run):
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+def test_plot_writes_into_a_folder_it_is_given_and_says_where(run, tmp_path):
+    """`--out FOLDER` wrote FOLDER.png beside it while saying FOLDER; a path without a suffix got one silently."""
+    (tmp_path / "figures").mkdir()
+    for out, written in ((tmp_path / "figures", tmp_path / "figures" / "curves.png"),
+                         (tmp_path / "named", tmp_path / "named.png")):
+        result = CliRunner().invoke(app, ["plot", str(run), "--out", str(out)])
+        assert result.exit_code == 0 and str(written) in " ".join(result.output.split()).replace(" ", ""), \
+            result.output
+        assert written.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("text, says", [("", "is empty: not a result card"),
+                                        ("{not json", "is not valid JSON"),
+                                        ('{"trainers": {}}', "is not a result card (bench learn writes them): it has "
+                                                             "no eval")])
+def test_plot_of_a_broken_card_names_the_file_and_what_is_wrong(tmp_path, text, says):
+    card = tmp_path / "card.json"
+    card.write_text(text)
+    result = CliRunner().invoke(app, ["plot", str(card)])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 1 and str(card) in said.replace(" ", ""), said  # rich may break a long path
+    assert says in said and "Traceback" not in said, said
+
+
 def test_metrics_reach_tensorboard_only_when_asked(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
