@@ -92,3 +92,13 @@ def test_every_number_option_is_refused_by_name_or_starts_the_work(path, flag, v
 def test_the_probes_nonsense_is_refused(args):
     result = CliRunner().invoke(app, args)
     assert result.exit_code != 0 and "Traceback" not in result.output, (args, result.output)
+
+
+def test_a_flag_named_as_elsewhere_is_matched_to_ours():
+    """`--lr` (every other trainer's name) was "No such option"; now it names --learning-rate, before any work."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "minigrpo.cli", "train", "--lr", "1e-4"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "no such option --lr: did you mean --learning-rate?" in done.stderr, done.stderr

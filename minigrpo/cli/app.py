@@ -261,11 +261,61 @@ RENAMED = {"--output-dir": "--out", "--from-adapter": "--init-adapter", "--n": "
            "--group": "--num-generations"}
 
 
+# what a flag is called in the field's other tools, where its initials could stand for two of ours (--lora-rank)
+CALLED = {"--lr": "--learning-rate", "--batch-size": "--micro-batch-size", "--output": "--out"}
+
+
+def meant(flag: str, known: set[str]) -> str | None:
+    """The flag a guessed one stands for: its name elsewhere (`CALLED`), its words' initials (--mnt:
+    --max-new-tokens) or a word left out (--max-tokens: --max-new-tokens), where exactly one known flag fits.
+
+    >>> meant("--lr", {"--learning-rate", "--lora-rank", "--steps"}), meant("--mnt", {"--max-new-tokens"})
+    ('--learning-rate', '--max-new-tokens')
+    >>> meant("--max-tokens", {"--max-new-tokens", "--max-turns"}), meant("--x", {"--steps"})
+    ('--max-new-tokens', None)
+    """
+    if CALLED.get(flag) in known:
+        return CALLED[flag]
+    typed = flag.lstrip("-").split("-")
+    fits = [k for k in known if "".join(w[0] for w in k.lstrip("-").split("-")) == "".join(typed) or
+            (len(typed) > 1 and _in_order(typed, k.lstrip("-").split("-")))]
+    return fits[0] if len(fits) == 1 else None
+
+
+def _in_order(words: list[str], within: list[str]) -> bool:
+    """Whether `words` appear in `within` in order, with some left out."""
+    rest = iter(within)
+    return len(words) < len(within) and all(any(w == x for x in rest) for w in words)
+
+
+def _guessed_flag(argv: list[str]) -> str | None:
+    """One line for an option no command has that stands for one that some command has."""
+    from typer._click.core import Context  # typer's own click
+
+    root = typer.main.get_command(app)
+    known = set()
+    for name in root.list_commands(Context(root)):
+        command = root.get_command(Context(root), name)
+        for sub in ([command.get_command(Context(command), n) for n in command.list_commands(Context(command))]
+                    if hasattr(command, "list_commands") else [command]):
+            known.update(opt for param in sub.params for opt in getattr(param, "opts", []) + getattr(
+                param, "secondary_opts", []) if opt.startswith("--"))
+    for arg in argv:
+        flag = arg.partition("=")[0]
+        if flag.startswith("--") and flag not in known and meant(flag, known):
+            return f"no such option {flag}: did you mean {meant(flag, known)}?"
+    return None
+
+
 def main() -> None:
     renamed = [arg.partition("=")[0] for arg in sys.argv[1:] if arg.partition("=")[0] in RENAMED]
     if renamed:
         Console(stderr=True).print(f"[bold red]error[/]: {renamed[0]} is now {RENAMED[renamed[0]]} (one name for one "
                                    f"thing in every command)", highlight=False)
+        sys.exit(2)
+    guessed = _guessed_flag(sys.argv[1:])
+    if guessed:
+        Console(stderr=True).print(f"[bold red]error[/]: {guessed}", highlight=False)
         sys.exit(2)
     # bitsandbytes logs a note about an optional kernel package when anything imports it (transformers' trainer
     # module does, for a reward's TrainerState): not for a user's screen
