@@ -6,6 +6,8 @@ libraries' chatter kept off the console."""
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from collections import deque
 
 from rich.console import Console
@@ -30,6 +32,9 @@ class Display:
         self.rewards: deque[float] = deque(maxlen=SMOOTHING)
         self.warned: set[str] = set()  # warnings about the run as a whole, said once
         self.flat_steps = 0  # steps in a row, in this process, in which no group's rewards differed
+        self.reader_gone = False  # stdout's reader went away: nothing more is printed
+        self.on_reader_gone = lambda: None  # what the run does then (train: stop as a signal would)
+        self.console.on_broken_pipe = self._reader_went_away
 
     def __enter__(self) -> "Display":
         self.progress.start()
@@ -40,6 +45,17 @@ class Display:
 
     def print(self, *args, **kwargs) -> None:
         self.progress.console.print(*args, **kwargs)
+
+    def _reader_went_away(self) -> None:
+        """`| head -1` ended: what reads the output is gone. Rich's own answer is exit status 1 without a word; a
+        run instead says so on stderr and stops as a signal would stop it (`on_reader_gone`)."""
+        self.console.quiet = True
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # later writes (and exit's flush) go nowhere
+        if not self.reader_gone:
+            self.reader_gone = True
+            print("minigrpo: the output's reader went away (a `| head` that ended?): finishing this step, then "
+                  "stopping as a stopped run does", file=sys.stderr, flush=True)
+            self.on_reader_gone()
 
     def stage(self, step: int) -> None:
         """What is happening now, on the progress bar (the first step on a cpu takes a while)."""

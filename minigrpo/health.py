@@ -71,6 +71,10 @@ class StopRequest:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
+    def request(self, how: str) -> None:
+        """Stop after this step as a signal would have it, for a reason of the run's own."""
+        self.requested = self.requested or f"{how} during {self.where}"
+
     def handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.requested:

@@ -119,6 +119,9 @@ def _train(cfg: TrainConfig, resume: bool, task: Task, weights: list[float], run
         display.eval(evaluate(0, full))  # before any training: the baseline every later evaluation is read against
 
     stop = StopRequest()
+    display.on_reader_gone = lambda: stop.request("the output's reader went away")
+    if display.reader_gone:  # it went while the model loaded
+        display.on_reader_gone()
 
     def save(at: int) -> Path:
         progress(step=at, stage="saving a checkpoint")

@@ -287,3 +287,22 @@ def test_a_folder_that_cannot_be_written_is_named_before_any_work(tmp_path, monk
         result = CliRunner().invoke(app, command)
         said = " ".join(result.output.split())
         assert result.exit_code == 1 and f"{folder} is not writable" in said and "nothing was written" in said, said
+
+
+def test_when_the_outputs_reader_goes_away_the_run_stops_as_a_stopped_run(tmp_path):
+    """`minigrpo train | head -1`: the reader closes the pipe after a line; the run's next print failed with a
+    BrokenPipeError traceback. Now it says so on stderr, finishes the step and ends as a stopped run."""
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    run = subprocess.Popen([sys.executable, "-m", "minigrpo.cli", "train", "--out", "run", *SMALL, "--steps", "30"],
+                           cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    for line in run.stdout:  # as `head` does: read until the line wanted, then close the pipe
+        if line.startswith("step "):
+            break
+    run.stdout.close()
+    err = run.stderr.read()
+    run.wait(timeout=600)
+    assert run.returncode == STOPPED_EXIT, err
+    assert "the output's reader went away" in err and "Traceback" not in err, err
+    stop = json.loads((tmp_path / "run" / "stopped.json").read_text())
+    assert stop["how"].startswith("the output's reader went away during step"), stop
