@@ -10,7 +10,7 @@ and stage the run was in, and how to continue, with a non-zero exit status.
 The child reports where it is through a pipe (`progress`). It runs in a process group of its own, so every
 signal reaches it once, through the watcher: Ctrl-C at a terminal, SIGINT sent to the command's pid (a
 notebook's stop button, `Popen.send_signal`), SIGTERM and SIGHUP all finish the step, save a checkpoint and say
-how to resume; Ctrl-Z stops both and `fg` continues both. The child dies with its watcher (a script's
+how to resume; Ctrl-Z stops both and `fg` continues both, and so do SIGSTOP and SIGCONT sent to the watcher. The child dies with its watcher (a script's
 `Popen.kill()` kills the watcher alone), and each run folder is written by one process at a time (`run.py`'s
 lock). Where the run leaves processes behind (a reward's forked helper still holding the terminal's output),
 the watcher names them. The Python API and the notebooks train in their own process, unwatched.
@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36  # prctl(2)
@@ -61,6 +62,7 @@ def watch(argv: list[str]) -> int | None:
             os._exit(1)
         _channel.update(fd=write_fd, pid=os.getpid())
         _name_hard_exits()
+        threading.Thread(target=_pause_with, args=(watcher,), daemon=True).start()
         return None
     os.close(write_fd)
     seen: list[dict] = []
@@ -69,7 +71,12 @@ def watch(argv: list[str]) -> int | None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: _pass_on(child, signum))
     signal.signal(signal.SIGTSTP, lambda signum, frame: _stop_both(child))
-    _, status, usage = os.wait4(child, 0)  # retried after each passed-on signal
+    signal.signal(signal.SIGCONT, lambda signum, frame: _pass_on(child, signal.SIGCONT))  # after a SIGSTOP
+    # polled, not a blocking wait: a SIGCONT after a SIGSTOP restarts a blocking wait4 inside the kernel, so its
+    # handler (which wakes the run) would wait for the next other signal
+    while not (ended := os.wait4(child, os.WNOHANG))[0]:
+        time.sleep(0.1)
+    _, status, usage = ended
     reader.join(timeout=2.0)  # a helper the child forked may still hold the pipe open
     where = {k: v for fields in list(seen) for k, v in fields.items()}
     left = left_behind(watcher)
@@ -98,6 +105,23 @@ def _stop_both(child: int) -> None:
     os.kill(os.getpid(), signal.SIGTSTP)  # stops here until continued
     signal.signal(signal.SIGTSTP, lambda signum, frame: _stop_both(child))
     _pass_on(child, signal.SIGCONT)
+
+
+def _pause_with(watcher: int) -> None:
+    """In the run: SIGSTOP to the watcher (which no process can catch or pass on) stops the run too. The run looks
+    at its watcher twice a second and stops itself while the watcher is stopped; the watcher's SIGCONT wakes it."""
+    while True:
+        time.sleep(0.5)
+        if process_state(watcher) == "T":
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def process_state(pid: int) -> str | None:
+    """A process's state letter from /proc (R, S, T for stopped, Z...), or None where it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def die_with_parent() -> None:

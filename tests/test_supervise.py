@@ -306,3 +306,30 @@ def test_when_the_outputs_reader_goes_away_the_run_stops_as_a_stopped_run(tmp_pa
     assert "the output's reader went away" in err and "Traceback" not in err, err
     stop = json.loads((tmp_path / "run" / "stopped.json").read_text())
     assert stop["how"].startswith("the output's reader went away during step"), stop
+
+
+def test_sigstop_and_sigcont_to_the_watcher_pause_and_resume_the_run(tmp_path):
+    """SIGSTOP cannot be caught or passed on: the watcher stopped and the run trained on. Now the run stops itself
+    while its watcher is stopped, and the watcher's SIGCONT wakes it (states read from /proc, no fixed waits)."""
+    from minigrpo.supervise import process_state
+
+    run = start(tmp_path, "--steps", "30")
+    try:
+        _first_step(run, tmp_path / "run")
+        trainer = int((tmp_path / "run" / ".lock").read_text().split()[2])
+
+        def until(state_is, what):
+            deadline = time.monotonic() + 60
+            while not state_is(process_state(trainer)):
+                assert time.monotonic() < deadline, what
+                time.sleep(0.05)
+
+        os.kill(run.pid, signal.SIGSTOP)
+        until(lambda state: state == "T", "the run did not stop with its watcher")
+        os.kill(run.pid, signal.SIGCONT)
+        until(lambda state: state not in ("T", None), "the run did not go on with its watcher")
+    finally:
+        os.kill(run.pid, signal.SIGCONT)
+        run.send_signal(signal.SIGTERM)
+        run.communicate(timeout=600)
+    assert run.returncode == STOPPED_EXIT
