@@ -67,6 +67,7 @@ def test_sigterm_then_resume_equals_an_uninterrupted_run(tmp_path):
     assert checkpoint.latest(cut).name == f"step-{stopped_at:06d}"
 
     train(TrainConfig.load(cut / "config.json"), resume=True)
+    assert not (cut / "stopped.json").exists(), "finished now: the folder no longer says it stopped"
     assert metrics_of(cut) == metrics_of(whole)
     resumed, uninterrupted = adapter_of(cut), adapter_of(whole)
     assert resumed.keys() == uninterrupted.keys()
