@@ -64,7 +64,7 @@ PRESETS: dict[str, ModelPreset] = {
         "llama", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                       intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)),
     "llama-3.2-3b": ModelPreset(
-        "meta-llama/Llama-3.2-3B-Instruct", 32, 1e-5, 8, 2, 512, "gated on the hub; T4: as qwen-3b",
+        "meta-llama/Llama-3.2-3B-Instruct", 32, 1e-5, 8, 2, 512, "gated on the hub; Colab's T4: transformers generation, --eval-prompts 16",
         "llama", dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
                       intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)),
 }

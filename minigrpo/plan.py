@@ -127,8 +127,8 @@ def make_plan(shape, gpu: Gpu | None, s: Settings, vllm_installed: bool = True, 
     name, total = (gpu.name, gpu.total_gb) if gpu else ("cpu", 0.0)
     dense = (sizes.linear + sizes.fused_lora_per_rank * s.lora_rank) * nbytes / GiB * s.load_in_4bit  # the fixed-shape
     # decoder's dense copy of a 4-bit base and its adapter's stacked copy,
-    dense *= not gpu or dense <= (total - max(gpu.taken_gb, CUDA_CONTEXT_GB) - trainer) / 2  # unless it is over
-    # half of what is free once the trainer is loaded (StaticDecoder.build)
+    # unless it is over half of what is free once the trainer (its CUDA context included) is loaded
+    dense *= not gpu or dense <= (total - max(0.0, gpu.taken_gb - CUDA_CONTEXT_GB) - trainer) / 2
     hf = Plan(name, total, dtype_name(dtype), dtype_reason, "hf", "", trainer + dense, hf_step,
               peak_gb=trainer + dense + hf_step, checkpointing=s.checkpointing, dense_gb=dense)
 

@@ -26,12 +26,12 @@ pool, and vLLM's engine (its share is sized by `plan.engine_plan`).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 import torch.fx.experimental._config
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -44,35 +44,38 @@ VALUE_OPS = (aten._local_scalar_dense.default, aten.item.default, aten.is_nonzer
 
 class LiveBytes(TorchDispatchMode):
     """The bytes of every storage the ops under it make, alive now and at their peak since `reset`. A storage
-    is counted once however many views read it, and from its first op to its last reference. Ops asking for a
-    tensor's value get the costliest answer (see the module's docstring)."""
+    is counted once however many views read it, from its first op until it is freed (torch keeps a storage's Python
+    object as long as the storage lives, autograd's saved tensors included, so a finalizer on it says when). Ops
+    asking for a tensor's value get the costliest answer (see the module's docstring)."""
 
     def __init__(self):
         super().__init__()
-        self.sizes: dict[int, tuple[StorageWeakRef, int]] = {}  # storage -> (its weak ref, bytes)
-        self.upper = 0  # the bytes counted since the last prune: at least what is alive
+        self.alive: set[int] = set()  # the storages counted and not yet freed
+        self.live = 0
         self.peak = 0
 
     def now(self) -> int:
-        """Bytes alive now (freed storages dropped)."""
-        self.sizes = {k: v for k, v in self.sizes.items() if not v[0].expired()}
-        self.upper = sum(n for _, n in self.sizes.values())
-        return self.upper
+        """Bytes alive now."""
+        return self.live
 
     def reset(self) -> int:
-        self.peak = self.now()
+        self.peak = self.live
         return self.peak
 
     def _count(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
         key = storage._cdata
-        if key in self.sizes and not self.sizes[key][0].expired():
+        if key in self.alive:
             return
         nbytes = -(-storage.nbytes() // BLOCK) * BLOCK
-        self.sizes[key] = (StorageWeakRef(storage), nbytes)
-        self.upper += nbytes
-        if self.upper > self.peak and self.now() > self.peak:  # prune only where a new peak may be
-            self.peak = self.upper
+        self.alive.add(key)
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._freed, key, nbytes)
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self.alive.discard(key)
+        self.live -= nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
