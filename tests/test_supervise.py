@@ -286,33 +286,21 @@ def test_a_folder_that_cannot_be_written_is_named_before_any_work(tmp_path, monk
         assert result.exit_code == 1 and f"{folder} is not writable" in said and "nothing was written" in said, said
 
 
-def test_when_the_outputs_reader_goes_away_the_run_stops_as_a_stopped_run(tmp_path):
-    """`minigrpo train | head -1`: the reader closes the pipe after a line; the run's next print failed with a
-    BrokenPipeError traceback. Now it says so on stderr, finishes the step and ends as a stopped run."""
+def test_the_run_pauses_with_its_watcher_and_stops_when_its_reader_goes_away(tmp_path):
+    """SIGSTOP cannot be caught or passed on: the watcher stopped and the run trained on. Now the run stops itself
+    while its watcher is stopped, and the watcher's SIGCONT wakes it (states read from /proc, no fixed waits).
+    Then `| head -1`: the reader closes the pipe; the run's next print ended it with rich's silent exit status 1.
+    Now it says so on stderr, finishes the step and ends as a stopped run."""
+    from minigrpo.supervise import process_state
+
     (tmp_path / "my_rewards.py").write_text(REWARDS)
     run = subprocess.Popen([sys.executable, "-m", "minigrpo.cli", "train", "--out", "run", *SMALL, "--steps", "30"],
                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            start_new_session=True)
-    for line in run.stdout:  # as `head` does: read until the line wanted, then close the pipe
-        if line.startswith("step "):
-            break
-    run.stdout.close()
-    err = run.stderr.read()
-    run.wait(timeout=600)
-    assert run.returncode == STOPPED_EXIT, err
-    assert "the output's reader went away" in err and "Traceback" not in err, err
-    stop = json.loads((tmp_path / "run" / "stopped.json").read_text())
-    assert stop["how"].startswith("the output's reader went away during step"), stop
-
-
-def test_sigstop_and_sigcont_to_the_watcher_pause_and_resume_the_run(tmp_path):
-    """SIGSTOP cannot be caught or passed on: the watcher stopped and the run trained on. Now the run stops itself
-    while its watcher is stopped, and the watcher's SIGCONT wakes it (states read from /proc, no fixed waits)."""
-    from minigrpo.supervise import process_state
-
-    run = start(tmp_path, "--steps", "30")
     try:
-        _first_step(run, tmp_path / "run")
+        for line in run.stdout:  # the first step's line
+            if line.startswith("step "):
+                break
         trainer = int((tmp_path / "run" / ".lock").read_text().split()[2])
 
         def until(state_is, what):
@@ -325,8 +313,12 @@ def test_sigstop_and_sigcont_to_the_watcher_pause_and_resume_the_run(tmp_path):
         until(lambda state: state == "T", "the run did not stop with its watcher")
         os.kill(run.pid, signal.SIGCONT)
         until(lambda state: state not in ("T", None), "the run did not go on with its watcher")
+        run.stdout.close()  # as `head` does once it has its line
+        err = run.stderr.read()
+        run.wait(timeout=600)
     finally:
-        os.kill(run.pid, signal.SIGCONT)
-        run.send_signal(signal.SIGTERM)
-        run.communicate(timeout=600)
-    assert run.returncode == STOPPED_EXIT
+        os.kill(run.pid, signal.SIGCONT) if run.poll() is None else None
+    assert run.returncode == STOPPED_EXIT, err
+    assert "the output's reader went away" in err and "Traceback" not in err, err
+    stop = json.loads((tmp_path / "run" / "stopped.json").read_text())
+    assert stop["how"].startswith("the output's reader went away during step"), stop
