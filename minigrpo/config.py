@@ -9,10 +9,49 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, get_args, get_origin, get_type_hints
+
+# Each setting with a fixed set of values has it written once, here: the field's type below, the flag's type
+# (typer shows and checks it: `--loss <grpo|dr_grpo|...>`), and `validate`, which reads it back.
+Dtype = Literal["auto", "bfloat16", "float16", "float32"]
+WeightsDtype = Literal["bfloat16", "float16", "float32"]  # an export's: written weights have one
+Generator = Literal["auto", "vllm", "hf"]
+Decoder = Literal["auto", "static", "eager"]
+Loss = Literal["grpo", "dr_grpo", "dapo", "bnpo", "gspo", "cispo"]  # loss.PRESETS has one entry for each
+ScaleRewards = Literal["group", "batch", "none"]
+LossAggregation = Literal["sequence", "token", "constant"]
+ImportanceSampling = Literal["token", "sequence"]
+Surrogate = Literal["ppo", "cispo"]
+KlEstimator = Literal["k1", "k2", "k3"]
+Advantage = Literal["grpo", "rloo", "maxrl"]
+RewardAggregation = Literal["sum", "normalize_then_sum"]
+Tracker = Literal["tensorboard", "wandb"]
+Backend = Literal["zero2", "zero3", "fsdp"]  # graduate's: how accelerate shares the model across GPUs
+VllmMode = Literal["colocate", "server"]  # graduate's: where TRL's vLLM runs
+
+
+def choices(kind) -> tuple[str, ...]:
+    """The values a choice allows, from its Literal (or an optional one, or a list of one)."""
+    while get_origin(kind) is not Literal:
+        kind = next(a for a in get_args(kind) if a is not type(None))
+    return get_args(kind)
+
+
+@functools.cache
+def choice_fields() -> dict:
+    """TrainConfig's fields that are choices, with their types."""
+    return {name: kind for name, kind in get_type_hints(TrainConfig).items()
+            if Literal in (get_origin(kind), *map(get_origin, get_args(kind)))}
+
+
+def or_list(values) -> str:
+    """'a, b or c'."""
+    return ", ".join(values[:-1]) + f" or {values[-1]}" if len(values) > 1 else values[0]
 
 
 @dataclass(frozen=True)
@@ -69,6 +108,8 @@ PRESETS: dict[str, ModelPreset] = {
                       intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True)),
 }
 
+DAY = 86_400  # the longest a reward or tool call may take, in seconds (a far longer wait overflows the timer)
+
 # what a preset falls back to when --model is a hub id or a local folder
 CUSTOM_MODEL = ModelPreset("", 16, 1e-5, 8, 2, 256)
 
@@ -95,7 +136,7 @@ class TrainConfig:
     lora_rank: int | None = None  # None: from the preset
     lora_alpha: int | None = None  # None: twice the rank
     gradient_checkpointing: bool | None = None  # recompute activations in backward; None: off on a cpu with room
-    dtype: str = "auto"  # compute dtype: bf16 on sm_80+, fp16 on older GPUs (T4), fp32 on cpu; or force one
+    dtype: Dtype = "auto"  # compute dtype: bf16 on sm_80+, fp16 on older GPUs (T4), fp32 on cpu; or force one
     # a float32 model whose frozen block projections are kept and multiplied in bf16 (not with 4-bit); None: on
     # a cpu with bf16 instructions where the dtype is auto and transformers generates (`hardware.bf16_projections`)
     bf16_base: bool | None = None
@@ -108,10 +149,10 @@ class TrainConfig:
     max_prompt_tokens: int = 512  # a longer prompt is an error that names its row
     temperature: float = 1.0  # sampling temperature; log-probs are taken at the same temperature
     top_p: float = 1.0  # nucleus sampling; 1.0 keeps the full distribution
-    generator: str = "auto"  # "vllm", "hf", or "auto": vllm where it is installed and a GPU is present
+    generator: Generator = "auto"  # "vllm", "hf", or "auto": vllm where it is installed and a GPU is present
     # transformers generation's decode loop: "static" (fixed shapes, a few host calls a token, a CUDA graph on a
     # card: generate/static.py), "eager" (the model's own modules token by token), or auto: static where it can
-    decoder: str = "auto"
+    decoder: Decoder = "auto"
     gpu_memory_utilization: float | None = None  # the vllm engine's share of the card; None: sized by the plan
     tis_cap: float = 2.0  # truncated importance sampling: cap on trainer/sampler probability ratios; 0 off
 
@@ -128,18 +169,18 @@ class TrainConfig:
     # objective (minigrpo/loss.py has the formulas)
     learning_rate: float | None = None  # None: from the preset
     beta: float = 0.0  # weight of the KL to the reference; 0 skips the reference pass entirely
-    kl_estimator: str = "k3"  # the KL's estimate per token: "k1", "k2" or "k3" (loss.kl_estimate)
+    kl_estimator: KlEstimator = "k3"  # the KL's estimate per token: "k1", "k2" or "k3" (loss.kl_estimate)
     reference_adapter: str | None = None  # the KL's reference: the base plus this adapter; None: adapters off
     init_adapter: str | None = None  # the adapter starts from this folder's weights (`minigrpo sft`'s); None: fresh
-    advantage: str = "grpo"  # the baseline: "grpo" (group mean), "rloo" (leave-one-out), "maxrl" (/ mean success)
-    reward_aggregation: str = "sum"  # several rewards: "sum" (weighted), "normalize_then_sum" (GDPO: per group first)
+    advantage: Advantage = "grpo"  # the baseline: "grpo" (group mean), "rloo" (leave-one-out), "maxrl" (/ mean success)
+    reward_aggregation: RewardAggregation = "sum"  # several rewards: "sum" (weighted), "normalize_then_sum" (GDPO: per group first)
     entropy_coef: float = 0.0  # bonus on the trained tokens' mean entropy; with entropy_target, its first value
     entropy_target: float | None = None  # nats: adapt entropy_coef to hold the entropy here (TRL's adaptive); None
-    loss: str = "dapo"  # preset of the knobs below: grpo, dr_grpo, dapo, bnpo, gspo, cispo
-    scale_rewards: str | None = None  # advantages divided by the std of: "group", "batch", "none"; None: preset
-    loss_aggregation: str | None = None  # "sequence", "token" or "constant"; None: from the loss preset
-    importance_sampling: str | None = None  # ratio per "token", or one per "sequence" (gspo); None: preset
-    surrogate: str | None = None  # "ppo" (clipped ratio) or "cispo" (capped, detached weight); None: preset
+    loss: Loss = "dapo"  # preset of the knobs below: grpo, dr_grpo, dapo, bnpo, gspo, cispo
+    scale_rewards: ScaleRewards | None = None  # advantages divided by the std of: "group", "batch", "none"; None: preset
+    loss_aggregation: LossAggregation | None = None  # "sequence", "token" or "constant"; None: from the loss preset
+    importance_sampling: ImportanceSampling | None = None  # ratio per "token", or one per "sequence" (gspo); None: preset
+    surrogate: Surrogate | None = None  # "ppo" (clipped ratio) or "cispo" (capped, detached weight); None: preset
     epsilon: float | None = None  # clip range below 1; None: from the loss preset (0.2; gspo 3e-4)
     epsilon_high: float | None = None  # clip range above 1 (dapo's clip-higher: 0.28); None: preset, else epsilon
     top_entropy_quantile: float = 1.0  # train on this top share of each micro-batch's tokens by entropy; 1: all
@@ -173,7 +214,7 @@ class TrainConfig:
     max_bad_steps: int = 3  # consecutive updates skipped for a NaN/inf loss or gradient before the run stops
 
     # console and logs
-    report_to: list[str] = field(default_factory=list)  # also send metrics to "tensorboard" and/or "wandb"
+    report_to: list[Tracker] = field(default_factory=list)  # also send metrics to "tensorboard" and/or "wandb"
     sample_every: int = 5  # show one sampled completion every this many steps; 0 never
     rewards: list[str] = field(default_factory=list)  # extra reward functions, "file.py:function"
     reward_weights: list[float] | None = None  # one weight per reward function; None: the task's own
@@ -199,8 +240,7 @@ class TrainConfig:
                 raise ValueError(f"bad config: advantage maxrl divides by the group's mean success, so "
                                  f"scale_rewards {self.scale_rewards!r} cannot apply; leave --scale-rewards out")
             self.scale_rewards = "none"
-        if self.loss not in LOSSES:
-            raise ValueError(f"bad config: loss must be one of {', '.join(LOSSES)}, not {self.loss!r}")
+        self._check_choices()  # before the loss's presets are read by name
         for knob, value in LOSSES[self.loss].items():
             if getattr(self, knob) is None:
                 setattr(self, knob, value)
@@ -224,6 +264,7 @@ class TrainConfig:
                 if isinstance(v, float) and not math.isfinite(v):
                     flag = "--reward-weight" if f.name == "reward_weights" else f"--{f.name.replace('_', '-')}"
                     raise ValueError(f"bad config: {f.name} ({flag}) must be a finite number, not {v}")
+        self._check_choices()
         if self.model not in PRESETS and "/" not in self.model and not Path(self.model).exists():
             close = difflib.get_close_matches(self.model, PRESETS, n=1, cutoff=0.5)
             raise ValueError(f"unknown model {self.model!r}: " + (f"did you mean {close[0]}? " if close else "")
@@ -236,12 +277,8 @@ class TrainConfig:
             (self.max_new_tokens >= 1, "max_new_tokens must be at least 1"),
             (self.temperature > 0, "temperature must be > 0 (GRPO needs sampling; use a small value, not 0)"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.generator in ("auto", "vllm", "hf"), "generator must be auto, vllm or hf"),
-            (self.decoder in ("auto", "static", "eager"), "decoder must be auto, static or eager"),
             (self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization < 1,
              "gpu_memory_utilization must be in (0, 1), or left out to size it from the model (`minigrpo plan`)"),
-            (self.dtype in ("auto", "bfloat16", "float16", "float32"),
-             "dtype must be auto, bfloat16, float16 or float32"),
             (not self.bf16_base or (self.dtype in ("auto", "float32") and not self.load_in_4bit),
              "bf16_base keeps the projections of a float32 model in bfloat16: it goes with --dtype float32 "
              "(or auto on a cpu) and --no-4bit"),
@@ -250,17 +287,11 @@ class TrainConfig:
             (self.learning_rate > 0, "learning_rate must be > 0"),
             (self.beta >= 0, "beta must be >= 0"),
             (self.epsilon > 0 and self.epsilon_high > 0, "epsilon and epsilon_high must be > 0"),
-            (self.importance_sampling in ("token", "sequence"), "importance_sampling must be token or sequence"),
-            (self.surrogate in ("ppo", "cispo"), "surrogate must be ppo or cispo"),
             (0 < self.top_entropy_quantile <= 1, "top_entropy_quantile must be in (0, 1]"),
-            (self.scale_rewards in ("group", "batch", "none"), "scale_rewards must be group, batch or none"),
-            (self.loss_aggregation in ("sequence", "token", "constant"),
-             "loss_aggregation must be sequence, token or constant"),
             (self.micro_batch_size >= 1, "micro_batch_size must be at least 1"),
             (self.num_iterations >= 1, "num_iterations must be at least 1"),
             (self.save_every >= 0 and self.keep >= 1, "save_every must be >= 0 and keep at least 1"),
             (self.max_bad_steps >= 1, "max_bad_steps must be at least 1"),
-            (set(self.report_to) <= {"tensorboard", "wandb"}, "report_to takes tensorboard and/or wandb"),
             (not (self.filter_groups and self.num_generations < 2), "filter_groups needs G >= 2"),
             (self.eval_every <= self.steps, f"eval_every={self.eval_every} is beyond the run's {self.steps} steps"),
             (self.max_filter_rounds >= 0, "max_filter_rounds must be >= 0"),
@@ -269,14 +300,10 @@ class TrainConfig:
              "eval_every must be >= 0, eval_prompts and eval_samples at least 1"),
             (self.logprob_chunk_size >= 1, "logprob_chunk_size must be at least 1"),
             (self.lora_rank >= 1, "lora_rank must be at least 1"),
-            (self.reward_timeout >= 0, "reward_timeout must be >= 0 (0: no limit)"),
+            (0 <= self.reward_timeout <= DAY, f"reward_timeout must be 0 (no limit) to {DAY} seconds (a day)"),
             (self.max_turns >= 1, "max_turns must be at least 1"),
             (self.max_episode_tokens is None or self.max_episode_tokens >= 1, "max_episode_tokens must be at least 1"),
-            (self.tool_timeout > 0, "tool_timeout must be > 0"),
-            (self.advantage in ("grpo", "rloo", "maxrl"), "advantage must be grpo, rloo or maxrl"),
-            (self.reward_aggregation in ("sum", "normalize_then_sum"), "reward_aggregation must be sum or "
-                                                                        "normalize_then_sum"),
-            (self.kl_estimator in ("k1", "k2", "k3"), "kl_estimator must be k1, k2 or k3"),
+            (0 < self.tool_timeout <= DAY, f"tool_timeout must be above 0 and at most {DAY} seconds (a day)"),
             (self.entropy_coef >= 0, "entropy_coef must be >= 0"),
             (self.entropy_target is None or self.entropy_target > 0, "entropy_target must be > 0 (nats)"),
             (not self.reference_adapter or self.beta > 0, "reference_adapter is the KL's reference: it needs "
@@ -288,6 +315,14 @@ class TrainConfig:
         for flag, folder in (("--init-adapter", self.init_adapter), ("--reference-adapter", self.reference_adapter)):
             if folder:
                 self._check_adapter(flag, Path(folder))
+
+    def _check_choices(self) -> None:
+        """Each choice's value is one its Literal allows (a list's, each of its values)."""
+        for name, kind in choice_fields().items():
+            value = getattr(self, name)
+            for v in value if isinstance(value, list) else [value]:
+                if v is not None and v not in choices(kind):
+                    raise ValueError(f"bad config: {name} must be {or_list(choices(kind))}, not {v!r}")
 
     def _check_adapter(self, flag: str, folder: Path) -> None:
         """An adapter given to start from or to compare with must be a whole one (`adapters.adapter_settings`), of

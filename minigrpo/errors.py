@@ -24,6 +24,9 @@ def clear_errors(command):
     command with one line naming it and exit status 1, not a traceback."""
     @functools.wraps(command)
     def run(*args, **kwargs):
+        empty = next((name for name, value in kwargs.items() if _is_empty(value)), None)
+        if empty:  # a path, a name or a spec left blank ("--out ''", an unset shell variable): never meant
+            raise typer.BadParameter(f"{_flag(command, empty)} is empty; give a value (--help says what it takes)")
         try:
             return command(*args, **kwargs)
         except Stopped:
@@ -36,6 +39,21 @@ def clear_errors(command):
             raise typer.Exit(1) from None
 
     return run
+
+
+def _is_empty(value) -> bool:
+    return any(isinstance(v, str) and not v.strip() for v in (value if isinstance(value, (list, tuple)) else [value]))
+
+
+def _flag(command, name: str) -> str:
+    """How the command line spells parameter `name`: its option's long flag, or its argument's metavar."""
+    import inspect
+
+    info = inspect.signature(command).parameters[name].default
+    if isinstance(info, typer.models.ArgumentInfo):
+        return name.upper()
+    return next((d for d in getattr(info, "param_decls", None) or () if d.startswith("--")),
+                f"--{name.replace('_', '-')}")
 
 
 def is_user_error(error: Exception) -> bool:

@@ -14,14 +14,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Callable
 
-from minigrpo.config import TrainConfig
+from minigrpo.config import Backend, TrainConfig, VllmMode, choices, or_list
 from minigrpo import settle
 from minigrpo.model import LORA_TARGETS
 from minigrpo.tasks import get_task
 
 # our loss aggregation -> TRL's loss_type (which fixes TRL's aggregation); cispo's surrogate has its own
 LOSS_TYPES = {"sequence": "grpo", "token": "dapo", "constant": "dr_grpo"}
-BACKENDS = ("zero2", "zero3", "fsdp")
 
 
 def trl_settings(cfg: TrainConfig, gpus: int, full_finetune: bool = False, vllm_mode: str = "colocate") -> dict:
@@ -109,8 +108,6 @@ def trl_rewards(task, strict: bool = False, timeout: float | None = None) -> tup
 
 def accelerate_yaml(gpus: int, backend: str = "zero2") -> str:
     """An accelerate config for one machine with `gpus` GPUs: DeepSpeed ZeRO-2 (or 3), or FSDP 2."""
-    if backend not in BACKENDS:
-        raise ValueError(f"--backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
     if backend == "fsdp":
         engine = ("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n"
                   "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n  fsdp_state_dict_type: FULL_STATE_DICT\n"
@@ -137,8 +134,9 @@ def graduate(cfg: TrainConfig, out: Path, gpus: int = 1, backend: str = "zero2",
 
     if gpus < 1:
         raise ValueError("--gpus must be at least 1")
-    if vllm_mode not in ("colocate", "server"):
-        raise ValueError(f"--vllm-mode must be colocate or server, not {vllm_mode!r}")
+    for flag, value, kind in (("--backend", backend, Backend), ("--vllm-mode", vllm_mode, VllmMode)):
+        if value not in choices(kind):  # before anything is written
+            raise ValueError(f"{flag} must be {or_list(choices(kind))}, not {value!r}")
     from_adapter = from_adapter or cfg.init_adapter  # a run that began from an SFT warm-up's adapter
     if from_adapter and not (Path(from_adapter) / "adapter_config.json").exists():
         raise FileNotFoundError(f"--init-adapter {from_adapter}: no adapter_config.json there (a run's adapter "

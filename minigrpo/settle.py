@@ -52,13 +52,17 @@ def episode_budget(cfg: TrainConfig, task: Task) -> TrainConfig:
     return cfg
 
 
+def check_eval_data(path: str | None) -> None:
+    if path and not Path(path).is_file():
+        raise ValueError(f"--eval-data {path}: no such file; give a data file of held-out rows")
+
+
 def evaluation(cfg: TrainConfig, task: Task, train_rows: list[dict]) -> tuple[TrainConfig, str | None]:
     """Before the model loads: a task with no held-out rows (a small data file) trains anyway, its default
     before/after evaluation skipped with a note (returned); an evaluation asked for (--eval-every) stops.
     --eval-data must be a file, and a note says when its prompts are among the training ones (the task's own
     split is the task's to keep apart)."""
-    if cfg.eval_data and not Path(cfg.eval_data).is_file():
-        raise ValueError(f"--eval-data {cfg.eval_data}: no such file; give a data file of held-out rows")
+    check_eval_data(cfg.eval_data)
     if not (cfg.eval_every or cfg.eval_before_after):
         return cfg, None
     rows = held_out_rows(cfg, task)

@@ -111,15 +111,18 @@ def test_each_loss_preset_maps_to_trl(loss, expected):
         settings["loss_type"], 4, settings["epsilon_high"])
 
 
-def test_the_accelerate_config_names_the_gpus_and_the_backend():
+def test_the_accelerate_config_names_the_gpus_and_the_backend(tmp_path):
     import yaml
+
+    from minigrpo.graduate import graduate
 
     zero2 = yaml.safe_load(accelerate_yaml(4))
     assert zero2["num_processes"] == 4 and zero2["deepspeed_config"]["zero_stage"] == 2
     assert yaml.safe_load(accelerate_yaml(8, "zero3"))["deepspeed_config"]["zero_stage"] == 3
     assert yaml.safe_load(accelerate_yaml(2, "fsdp"))["fsdp_config"]["fsdp_version"] == 2
-    with pytest.raises(ValueError, match="backend"):
-        accelerate_yaml(2, "ddp")
+    with pytest.raises(ValueError, match="--backend must be zero2, zero3 or fsdp"):  # before anything is written
+        graduate(TrainConfig(), tmp_path / "out", 2, "ddp")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.fixture(scope="module")

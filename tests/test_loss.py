@@ -254,3 +254,11 @@ def test_gspo_and_cispo_presets_bring_their_own_clip_ranges():
     assert (TrainConfig().epsilon, TrainConfig().epsilon_high, TrainConfig().importance_sampling) == (0.2, 0.2, "token")
     with pytest.raises(ValueError, match="top_entropy_quantile"):
         TrainConfig(top_entropy_quantile=0.0)
+
+
+def test_each_loss_the_command_line_offers_has_a_preset():
+    """config.Loss states the --loss choices once; loss.PRESETS gives each its knobs."""
+    from minigrpo.config import Loss, choices
+    from minigrpo.loss import PRESETS
+
+    assert set(PRESETS) == set(choices(Loss))

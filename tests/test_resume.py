@@ -124,7 +124,7 @@ def test_nan_updates_are_skipped_then_the_run_stops(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("settings, message", [
     (dict(eval_every=50, steps=10), "eval_every=50 is beyond the run's 10 steps"),
-    (dict(loss="ppo"), "loss must be one of"),
+    (dict(loss="ppo"), "loss must be grpo, dr_grpo"),
     (dict(num_generations=1), "num_generations (G) must be at least 2"),
     (dict(keep=0), "keep at least 1"),
 ])

@@ -44,7 +44,10 @@ def learn(task: str, seeds: list[int], settings: dict, eval_every: int, out: Pat
     adds them to it. Returns the card."""
     if not seeds or len(set(seeds)) < len(seeds):
         raise ValueError(f"--seed {seeds}: give at least one seed, each once")
-    cfg = TrainConfig(task=task, **settings)  # a bad setting stops here, before anything runs
+    from minigrpo.tasks import get_task
+
+    cfg = TrainConfig(task=task, **settings)  # a bad setting or task stops here, before anything runs
+    get_task(task, cfg.rewards, extra_tools=cfg.tools, environment=cfg.environment)
     slug = re.sub(r"[^A-Za-z0-9]+", "-", f"{task}-{cfg.model}").strip("-")
     out = Path(out)
     path = out / f"{slug}.json"
@@ -298,17 +301,23 @@ def table(cards: list[dict]) -> str:
 
 def read_cards(folder: Path) -> list[dict]:
     """The cards in a folder, by file name; a JSON file that is not a card is an error naming it."""
+    if not Path(folder).is_dir():
+        raise ValueError(f"{folder} is not a folder of result cards (bench learn --out's)")
     cards = []
     for path in sorted(Path(folder).glob("*.json")):
         card = json.loads(path.read_text())
         if not isinstance(card, dict) or card.get("card") != CARD_VERSION:
             raise ValueError(f"{path} is not a result card of this version (its 'card' field is not {CARD_VERSION})")
         cards.append(card)
+    if not cards:
+        raise ValueError(f"{folder} holds no result cards (NAME.json, written by bench learn)")
     return cards
 
 
 def write_tables(folder: Path, page: Path) -> str:
     """Put the cards' table between the page's markers (the rest of the page as it was); returns the table."""
+    if not Path(page).is_file():
+        raise ValueError(f"--page {page}: no such file; give a markdown page with the cards markers")
     text = Path(page).read_text()
     if TABLE_START not in text or TABLE_END not in text:
         raise ValueError(f"{page} has no {TABLE_START} ... {TABLE_END} markers to put the table between")

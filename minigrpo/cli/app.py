@@ -15,7 +15,7 @@ from minigrpo import supervise
 from minigrpo.cli.machine import machine_app
 from minigrpo.cli.talk import UNCONFINED_HELP, talk_app
 from minigrpo.cli.train import config_from_flags, sft, train
-from minigrpo.config import PRESETS, TrainConfig
+from minigrpo.config import PRESETS, Backend, TrainConfig, VllmMode, WeightsDtype
 from minigrpo.errors import clear_errors
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -31,11 +31,9 @@ def graduate(
                                          "given after --]."),
     out: str = typer.Option(..., help="A new folder for train_trl.py, accelerate.yaml and README.md."),
     gpus: int = typer.Option(1, help="GPUs on the machine: accelerate's processes."),
-    backend: str = typer.Option("zero2", help="zero2 | zero3 | fsdp: how the GPUs share the model (4-bit with "
-                                              "zero2 only)."),
+    backend: Backend = typer.Option("zero2", help="How the GPUs share the model (4-bit with zero2 only)."),
     full_finetune: bool = typer.Option(False, help="Train every weight, not LoRA adapters."),
-    vllm_mode: str = typer.Option("colocate", help="colocate | server: vLLM in each training process, or a "
-                                                   "separate server."),
+    vllm_mode: VllmMode = typer.Option("colocate", help="vLLM in each training process, or a separate server."),
     init_adapter: str = typer.Option(None, help="Start from this adapter (runs/<run>/adapter) [default: the run's "
                                                 "--init-adapter, else a new one]."),
 ) -> None:
@@ -106,6 +104,7 @@ def eval_command(
         if value < 1:
             raise ValueError(f"{flag} {value}: give at least 1")
     t = get_task(task, reward, extra_tools=tool)
+    settle.check_eval_data(eval_data)
     check_sandbox(t, allow_unconfined_code, Console().print)
     adapter = adapter and adapter_folder(adapter)
     folder = results_folder(Path(out), "--out") if out else adapter.parent if adapter else None
@@ -211,7 +210,7 @@ def export(
     out: str = typer.Option(..., help="Where to write the exported model."),
     merge: bool = typer.Option(True, "--merge/--adapter-only",
                                help="A merged standalone model, or just the PEFT adapter folder."),
-    dtype: str = typer.Option("bfloat16", help="Weights of the merged model: bfloat16, float16 or float32."),
+    dtype: WeightsDtype = typer.Option("bfloat16", help="Weights of the merged model."),
 ) -> None:
     """Export a trained run: a merged 16-bit model that transformers and vLLM load, or the adapter alone."""
     import shutil

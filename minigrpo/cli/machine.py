@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from minigrpo.config import TrainConfig
+from minigrpo.config import Dtype, Generator, TrainConfig
 from minigrpo.errors import clear_errors
 
 PRESET_HELP = "[default: from the model preset]"
@@ -28,8 +28,8 @@ def plan_command(
     max_new_tokens: int = typer.Option(None, min=1, help=f"Completion length limit. {PRESET_HELP}"),
     micro_batch_size: int = typer.Option(8, min=1, help="Completions per forward/backward pass."),
     lora_rank: int = typer.Option(None, min=1, help=f"LoRA rank. {PRESET_HELP}"),
-    generator: str = typer.Option("auto", help="vllm | hf | auto."),
-    dtype: str = typer.Option("auto", help="auto | bfloat16 | float16 | float32."),
+    generator: Generator = typer.Option("auto", help="Which generates, as for train."),
+    dtype: Dtype = typer.Option("auto", help="Compute dtype, as for train."),
     load_in_4bit: bool = typer.Option(True, "--4bit/--no-4bit", help="nf4 base, or 16-bit."),
     eval_every: int = typer.Option(TRAIN.eval_every, min=0,
                                    help="As train's: a sampled evaluation, prompts x samples."),
@@ -97,7 +97,7 @@ def print_plans(cfg, plans: dict, console) -> None:
 @machine_app.command()
 @clear_errors
 def doctor(
-    dtype: str = typer.Option("auto", help="Check this compute dtype instead of the one chosen for this machine."),
+    dtype: Dtype = typer.Option("auto", help="Check this compute dtype instead of the one chosen for this machine."),
     vllm_requirement: bool = typer.Option(False, "--vllm-requirement",
                                           help="Only print the vLLM build for this machine (for install scripts)."),
 ) -> None:
@@ -299,7 +299,7 @@ def bench_model_command(
     max_new_tokens: list[int] = typer.Option([], min=1, help="Completion lengths to measure (repeat); "
                                                     "[default: 128 and 512 on a GPU, 32 and 64 on CPU]."),
     steps: int = typer.Option(3, min=2, help="Steps per setting; the first is left out."),
-    generator: str = typer.Option("auto", help="vllm | hf | auto."),
+    generator: Generator = typer.Option("auto", help="Which generates, as for train."),
     random_weights: bool = typer.Option(False, help="Random weights even where the real ones are here: every "
                                                      "completion runs to max new tokens, the worst case."),
 ) -> None:

@@ -51,6 +51,9 @@ def section(path: str, command) -> str:
         for option in options:
             names = ", ".join(f"`{name}`" for name in [*option.opts, *option.secondary_opts])
             text, said = split_default(option.help or "")
+            allowed = choices_of(option)
+            if allowed:
+                text = text.rstrip().rstrip(".") + f". One of: {', '.join(f'`{c}`' for c in allowed)}."
             lines.append(f"| {names} | {cell(said) if said else default_of(option)} | {cell(text)} |")
         lines.append("")
     return "\n".join(lines)
@@ -67,6 +70,16 @@ def split_default(text: str) -> tuple[str, str | None]:
     if start < 0 or not body.endswith("]"):
         return text, None
     return body[:start].strip(), body[start + 9:-1].strip()
+
+
+def choices_of(option) -> tuple[str, ...]:
+    """The values a choice option allows, from its Literal type (config.py states each once)."""
+    from typing import Literal, get_args, get_origin
+
+    from minigrpo.config import choices
+
+    kind = option.type_descriptor.annotation
+    return choices(kind) if Literal in (get_origin(kind), *map(get_origin, get_args(kind))) else ()
 
 
 def default_of(option) -> str:

@@ -65,7 +65,7 @@ def sample(
 def chat(
     adapter: str = typer.Option(None, help="A trained adapter folder [default: none, the base model]."),
     model: str = typer.Option(None, help="Base model [default: the adapter's run config, else smollm2-135m]."),
-    max_new_tokens: int = typer.Option(256, help="Reply length limit."),
+    max_new_tokens: int = typer.Option(256, min=1, help="Reply length limit."),
     temperature: float = typer.Option(0.7, min=0.0, help="Sampling temperature; 0 is greedy."),
 ) -> None:
     """Talk to a trained adapter; an empty line or `exit` ends the chat."""

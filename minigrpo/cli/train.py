@@ -6,7 +6,8 @@ import typer
 
 from minigrpo import settle
 from minigrpo.cli.talk import UNCONFINED_HELP
-from minigrpo.config import TrainConfig
+from minigrpo.config import (Advantage, Decoder, Dtype, Generator, ImportanceSampling, KlEstimator, Loss,
+                             LossAggregation, RewardAggregation, ScaleRewards, Surrogate, TrainConfig)
 from minigrpo.errors import clear_errors
 
 PRESET_HELP = "[default: from the model preset]"
@@ -49,25 +50,27 @@ def train(
                                                     "against it before the model loads."),
     learning_rate: float = typer.Option(None, help=f"Adapter learning rate. {PRESET_HELP}"),
     beta: float = typer.Option(0.0, help="KL coefficient; 0 skips the reference pass."),
-    kl_estimator: str = typer.Option("k3", help="k1 | k2 | k3: the KL's estimate per token."),
+    kl_estimator: KlEstimator = typer.Option("k3", help="The KL's estimate per token."),
     reference_adapter: str = typer.Option(None, help="The KL's reference is the base plus this adapter (e.g. an "
                                                      "SFT warm-up's) [default: the base, adapters off]."),
     init_adapter: str = typer.Option(None, help="Start the adapter from this folder's weights (`minigrpo sft`'s "
                                                 "adapter/) [default: a fresh adapter]."),
-    advantage: str = typer.Option("grpo", help="grpo | rloo | maxrl: the group mean as baseline, the mean of the "
-                                               "others (RLOO), or divided by the group's mean success (MaxRL)."),
-    reward_aggregation: str = typer.Option("sum", help="sum | normalize_then_sum: several rewards weighted and "
-                                                       "summed, or each normalised within its group first (GDPO)."),
+    advantage: Advantage = typer.Option("grpo", help="The baseline: the group mean, the mean of the others "
+                                                     "(RLOO), or that divided by the group's mean success (MaxRL)."),
+    reward_aggregation: RewardAggregation = typer.Option("sum", help="Several rewards weighted and summed, or each "
+                                                                     "normalised within its group first (GDPO)."),
     entropy_coef: float = typer.Option(0.0, help="Bonus on the trained tokens' mean entropy (0: none)."),
     entropy_target: float = typer.Option(None, help="Adapt --entropy-coef each step to hold the mean entropy at "
                                                     "this many nats (TRL's adaptive entropy) [default: fixed]."),
-    loss: str = typer.Option("dapo", help="grpo | dr_grpo | dapo | bnpo | gspo | cispo: a preset of the knobs below."),
-    scale_rewards: str = typer.Option(None, help="group | batch | none [default: from --loss]."),
-    loss_aggregation: str = typer.Option(None, help="sequence | token | constant [default: from --loss]."),
-    importance_sampling: str = typer.Option(None, help="token | sequence: a ratio per token, or one per completion "
-                                                       "(GSPO) [default: from --loss]."),
-    surrogate: str = typer.Option(None, help="ppo | cispo: clip the ratio, or cap it as a detached weight "
-                                             "(CISPO) [default: from --loss]."),
+    loss: Loss = typer.Option("dapo", help="A preset of the knobs below."),
+    scale_rewards: ScaleRewards = typer.Option(None, help="Advantages divided by the std of the group, the batch, "
+                                                          "or none [default: from --loss]."),
+    loss_aggregation: LossAggregation = typer.Option(None, help="Tokens averaged per completion, over the batch, or "
+                                                                "over a constant [default: from --loss]."),
+    importance_sampling: ImportanceSampling = typer.Option(None, help="A ratio per token, or one per completion "
+                                                                      "(GSPO) [default: from --loss]."),
+    surrogate: Surrogate = typer.Option(None, help="Clip the ratio, or cap it as a detached weight (CISPO) "
+                                                   "[default: from --loss]."),
     epsilon: float = typer.Option(None, help="Clip range below 1 [default: from --loss: 0.2, gspo 3e-4]."),
     epsilon_high: float = typer.Option(None, help="Clip range above 1 (clip-higher; cispo: the weight's cap - 1) "
                                                   "[default: from --loss, else --epsilon]."),
@@ -90,15 +93,15 @@ def train(
     temperature: float = typer.Option(1.0, help="Sampling temperature."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling threshold."),
     micro_batch_size: int = typer.Option(8, help="Completions per forward/backward pass."),
-    generator: str = typer.Option("auto", help="vllm | hf | auto (vllm where installed and a GPU is present)."),
-    decoder: str = typer.Option("auto", help="transformers generation's decode loop: static (fixed shapes, a CUDA "
-                                             "graph per token on a card), eager (token by token), or auto."),
+    generator: Generator = typer.Option("auto", help="auto: vllm where it is installed and a GPU is present."),
+    decoder: Decoder = typer.Option("auto", help="transformers generation's decode loop: static (fixed shapes, a "
+                                                 "CUDA graph per token on a card), eager (token by token), or auto."),
     gpu_memory_utilization: float = typer.Option(None, help="The vLLM engine's share of the card's memory "
                                                             "[default: sized from the model, see `minigrpo plan`]."),
     tis_cap: float = typer.Option(2.0, help="Cap of the truncated importance-sampling weight (0: off)."),
     seed: int = typer.Option(0, min=0, help="Seed for data order, sampling and initialisation."),
-    dtype: str = typer.Option("auto", help="Compute dtype: auto (bfloat16 on sm_80+, float16 on older GPUs, float32 "
-                                           "on cpu), bfloat16, float16 or float32."),
+    dtype: Dtype = typer.Option("auto", help="Compute dtype; auto: bfloat16 on sm_80+, float16 on older GPUs, "
+                                             "float32 on cpu."),
     load_in_4bit: bool = typer.Option(None, "--4bit/--no-4bit",
                                       help="nf4 base, or the compute dtype [default: 4-bit on GPU, the compute dtype on cpu]."),
     bf16_base: bool = typer.Option(None, "--bf16-base/--no-bf16-base",
@@ -193,7 +196,7 @@ def sft(
     micro_batch_size: int = typer.Option(8, help="Examples per forward/backward pass and optimizer step."),
     load_in_4bit: bool = typer.Option(None, "--4bit/--no-4bit",
                                       help="nf4 base, or the compute dtype [default: 4-bit on GPU, the compute dtype on cpu]."),
-    dtype: str = typer.Option("auto", help="Compute dtype, as for train."),
+    dtype: Dtype = typer.Option("auto", help="Compute dtype, as for train."),
     seed: int = typer.Option(0, min=0, help="Seed for the example order and initialisation."),
 ) -> None:
     """A supervised warm-up: LoRA on the completion tokens of worked examples, for `train --init-adapter`."""
