@@ -3,7 +3,7 @@
 adapter for the reference pass only, so the KL's reference costs one more set of LoRA weights, not a model.
 Both must have the policy adapter's shape (the same model, rank and layers); one made with another `lora_alpha`
 keeps its own effect (its B is rescaled to the run's scale), and a folder that is not a whole adapter, or one made
-for another model, is named in one line before the model loads (`check_adapter`).
+for another model, is named in one line before the model loads (`refuse_foreign_adapters`).
 """
 
 from __future__ import annotations
@@ -80,14 +80,18 @@ def lora_scale(settings: dict) -> float:
     return alpha / (math.sqrt(r) if settings.get("use_rslora") else r)
 
 
-def check_adapter(cfg) -> None:
-    """Before the model loads: each adapter the run names was made for this run's model (`TrainConfig` has checked
-    that it is a whole adapter of the run's rank)."""
+def refuse_foreign_adapters(cfg) -> None:
+    """Before the model loads: each adapter the run names (to start from, or as the KL's reference) is a whole one,
+    of the run's rank, made for the run's model."""
     for field, flag in FLAGS.items():
         folder = getattr(cfg, field)
         if not folder:
             continue
-        base = adapter_settings(folder, flag).get("base_model_name_or_path")
+        settings = adapter_settings(folder, flag)
+        if settings["r"] != cfg.lora_rank:
+            raise ValueError(f"{flag} {folder} has LoRA rank {settings['r']} and this run's adapter rank "
+                             f"{cfg.lora_rank}; give --lora-rank {settings['r']}")
+        base = settings.get("base_model_name_or_path")
         if base and not _same_model(base, cfg.hub_id):
             raise ValueError(f"{flag} {folder} was made for {base}, and this run trains {cfg.hub_id}: give an "
                              f"adapter of {cfg.model}, or --model for the adapter's base")

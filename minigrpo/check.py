@@ -219,21 +219,20 @@ def as_batch(examples: list[dict]) -> tuple[list, list, list, list]:
             [r.get("completion_ids", []) for r in examples], rows)
 
 
-def precheck_rewards(task: Task, weights: list[float], rows: list[dict], timeout: float | None = None) -> list[str]:
+def precheck_rewards(task: Task, rows: list[dict], timeout: float | None = None) -> list[str]:
     """The cheap part of `minigrpo check-reward`, before any model loads: every reward strictly on the
     task's worked examples (they must score as written), and on a few data rows with stand-in completions
     (empty, and the prompt itself), where only a broken contract stops the run (the wrong number of values,
     NaN, a column the data lacks); raising there is what rewards do on junk, and only warned about.
     Returns the warnings."""
     preflight(task.rewards)
-    task = without_judges(dataclasses.replace(task, weights=weights))
+    task = without_judges(task)
     if not task.rewards:
         return []
-    weights = task.weights
     if task.examples:
-        score(task.rewards, weights, *as_batch(task.examples), strict=True, timeout=timeout)
+        score(task.rewards, task.weights, *as_batch(task.examples), strict=True, timeout=timeout)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        score(task.rewards, weights, *as_batch(stand_ins(task, rows)), timeout=timeout)
+        score(task.rewards, task.weights, *as_batch(stand_ins(task, rows)), timeout=timeout)
     return [f"on stand-in completions (empty, or the prompt itself): {w.message}" for w in caught
             if "reward function" in str(w.message)]

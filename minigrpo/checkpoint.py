@@ -2,8 +2,8 @@
 
     runs/<run>/checkpoints/step-000012/
         adapter/      the LoRA weights (PEFT format)
-        state.pt      optimizer, scheduler, every RNG (python, numpy, torch, the generator's), the prompt pool,
-                      the float16 gradient scaler
+        state.pt      every RNG (python, numpy, torch), and each part of the RunState with a state of its own
+                      (`RunState.state_dict`: optimizer, scheduler, generator, float16 scaler, prompt pool, entropy)
 
 A checkpoint is written under a temporary name and renamed when complete, so a folder named `step-*` is
 always whole; a process killed mid-save leaves only a `.partial-*` folder, which resume ignores and removes.
@@ -35,14 +35,9 @@ def save(run_dir: Path, step: int, state, keep: int) -> Path:
     state.model.save_pretrained(partial / "adapter")
     saved = {
         "step": step,
-        "optimizer": state.optimizer.state_dict(),
-        "scheduler": state.scheduler.state_dict(),
         "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-        "prompts": state.prompts.state_dict(),
-        "generator": state.generator.state_dict() if hasattr(state.generator, "state_dict") else None,
-        "scaler": state.scaler.state_dict() if state.scaler.is_enabled() else None,
-        "extra": {"entropy": state.entropy.state_dict()},
+        "state": state.state_dict(),  # every part of the RunState, by name
     }
     torch.save(saved, partial / "state.pt")
     _fsync_tree(partial)
@@ -92,15 +87,7 @@ def load(checkpoint: Path, state) -> int:
     if getattr(result, "unexpected_keys", None):
         raise RuntimeError(f"{checkpoint} does not match this model: unexpected {result.unexpected_keys[:3]}")
     saved = torch.load(checkpoint / "state.pt", weights_only=False)
-    state.optimizer.load_state_dict(saved["optimizer"])
-    state.scheduler.load_state_dict(saved["scheduler"])
-    state.prompts.load_state_dict(saved["prompts"])
-    if saved["generator"] is not None and hasattr(state.generator, "load_state_dict"):
-        state.generator.load_state_dict(saved["generator"])
-    if saved.get("scaler") and state.scaler.is_enabled():
-        state.scaler.load_state_dict(saved["scaler"])
-    if "entropy" in saved.get("extra", {}):
-        state.entropy.load_state_dict(saved["extra"]["entropy"])
+    state.load_state_dict(saved["state"] if "state" in saved else _parts_of_an_older_save(saved))
     state.generator.sync(state.model)
     rng = saved["rng"]
     random.setstate(rng["python"])
@@ -140,3 +127,11 @@ def _fsync_tree(folder: Path) -> None:
         if path.is_file():
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
+
+
+def _parts_of_an_older_save(saved: dict) -> dict:
+    """A checkpoint written before `RunState.state_dict`: its parts at the top level (the entropy control's under
+    "extra"), so a run begun with an earlier release resumes."""
+    parts = {name: saved.get(name) for name in ("optimizer", "scheduler", "prompts", "generator", "scaler")}
+    parts["entropy"] = saved.get("extra", {}).get("entropy")
+    return {name: state for name, state in parts.items() if state}

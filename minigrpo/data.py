@@ -52,7 +52,7 @@ def read_rows_and_places(path: Path, prompts: bool = True) -> tuple[list[dict], 
     if path.suffix != ".jsonl":
         places = [f"row {i}" for i in range(1, len(rows) + 1)] if isinstance(rows, list) else []
     if prompts:
-        check_rows(rows, str(path), places)
+        refuse_bad_rows(rows, str(path), places)
     elif not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
         raise ValueError(f"{path}: expected a list of objects, one per example")
     return rows, places
@@ -69,7 +69,7 @@ def _text_of(path: Path) -> str:
                          f"UTF-8") from None
 
 
-def check_rows(rows, source: str, places: list[str] | None = None) -> None:
+def refuse_bad_rows(rows, source: str, places: list[str] | None = None) -> None:
     """Every row an object with a `prompt` that is text or a list of chat messages."""
     if not isinstance(rows, list) or not rows:
         raise ValueError(f"{source}: no rows (expected a list of objects with a 'prompt' field)")

@@ -18,12 +18,11 @@ mask that is True only where the model wrote them, so tool results are context a
 from __future__ import annotations
 
 import copy
-import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
 from minigrpo.generate import Generator, Sampling
-from minigrpo.tools import call_fields, kept_message, message, parse_calls, run_call, turn_text
+from minigrpo.tools import call_fields, environment_tools, kept_message, message, parse_calls, run_call, turn_text
 
 
 @dataclass
@@ -150,13 +149,6 @@ def episode_stats(episodes: list[Episode]) -> dict[str, int]:
             "cut_by_tokens": sum(e.cut == "tokens" for e in episodes)}
 
 
-def environment_tools(env) -> list[Callable]:
-    """An environment's tools, chosen as TRL chooses them: its public methods other than `reset` and
-    `get_reward` (and our `respond`), bound to the instance (so they act on its state)."""
-    return [getattr(env, name) for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
-            if name not in ("reset", "get_reward", "respond") and not name.startswith("_")]
-
-
 def start_environments(factory: Callable, rows: list[dict], G: int, own_prompts: bool = False
                        ) -> tuple[list, list[str | None]]:
     """One environment per episode, each reset from its row (TRL's contract: `reset(**row)` returns None or
@@ -190,21 +182,6 @@ def _reset(env, row: dict):
     except Exception as error:  # the user's code: named, with the row it failed on
         raise ValueError(f"the environment's reset raised {type(error).__name__}: {error} "
                          f"(row: {str(row)[:120]})") from None
-
-
-def environment_reward(factory: Callable) -> Callable | None:
-    """Where the environment scores its own episodes (`get_reward()`), a reward function that asks it, named
-    after its class, as TRL adds one."""
-    kind = factory if isinstance(factory, type) else type(factory())
-    if not callable(getattr(kind, "get_reward", None)):
-        return None
-
-    def reward(prompts, completions, environments, **columns):
-        return [env.get_reward() for env in environments]
-
-    reward.__name__ = kind.__name__
-    reward.environment_owned = True  # TRL adds this reward itself: `minigrpo graduate` leaves it out
-    return reward
 
 
 def offered_tools(task) -> list[Callable]:

@@ -14,6 +14,10 @@ from minigrpo.scoring import RewardError
 STOPPED_EXIT = 75  # a run stopped before its last step, resumable: sysexits' EX_TEMPFAIL ("try again later")
 
 
+class SetupError(RuntimeError):
+    """A run that cannot start as asked, with the fix in its message (the command line prints just that)."""
+
+
 class Stopped(Exception):
     """A run stopped as asked (SIGINT, SIGTERM, SIGHUP) before its last step: a checkpoint to resume from, no final
     adapter. The command ends with `STOPPED_EXIT`, its message already said."""
@@ -58,6 +62,5 @@ def _flag(command, name: str) -> str:
 
 def is_user_error(error: Exception) -> bool:
     from minigrpo.sandbox.runner import SandboxError
-    from minigrpo.startup import SetupError  # imported only here: it brings torch
 
     return isinstance(error, (RewardError, ValueError, FileNotFoundError, SetupError, SandboxError))

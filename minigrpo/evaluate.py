@@ -25,9 +25,8 @@ from minigrpo.tasks import Task
 
 
 class Evaluator:
-    def __init__(self, cfg: TrainConfig, task: Task, weights: list[float], tokenizer, generator: Generator,
-                 out_dir: Path | None):
-        self.cfg, self.task, self.weights = cfg, task, weights
+    def __init__(self, cfg: TrainConfig, task: Task, tokenizer, generator: Generator, out_dir: Path | None):
+        self.cfg, self.task = cfg, task
         self.tokenizer, self.generator = tokenizer, generator
         self.rows = settle.held_out_rows(cfg, task)
         self.solved = settle.solved_reward(cfg, task)
@@ -66,7 +65,7 @@ class Evaluator:
         from minigrpo.rollout import complete
 
         out = complete(self.cfg, self.tokenizer, self.generator, self.task, self.rows, sampling)
-        totals = score(self.task.rewards, self.weights, [c["prompt"] for c in out.columns], out.completions,
+        totals = score(self.task.rewards, self.task.weights, [c["prompt"] for c in out.columns], out.completions,
                        out.completion_ids, out.columns, timeout=self.cfg.reward_timeout).totals
         return totals, [self.task.answer(c) for c in out.completions] if self.task.answer else []
 
@@ -147,7 +146,8 @@ def sample_completions(task: Task, rows: list[dict], adapter=None, model: str | 
     Returns them with their columns: what the task's rewards get beside each (the row, its environment);
     `with_ids`, and their token ids."""
     from minigrpo.judge import rubric as judge
-    from minigrpo.model import load_trained, seed_everything
+    from minigrpo.model import seed_everything
+    from minigrpo.trained import load_trained
     from minigrpo.rollout import complete
 
     seed_everything(seed)

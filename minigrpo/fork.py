@@ -49,7 +49,7 @@ FIXED = ("model", "lora_rank", "lora_alpha")  # the checkpoint's adapter has the
 
 def fork_config(spec: str, given: dict) -> TrainConfig:
     """The fork's settings: the parent's, with the `given` fields over them and where it came from."""
-    from minigrpo.loss import PRESETS
+    from minigrpo.config import LOSS_PRESETS as PRESETS
 
     run, _ = parse(spec)
     kept(spec)

@@ -145,7 +145,7 @@ def graduate(cfg: TrainConfig, out: Path, gpus: int = 1, backend: str = "zero2",
                               tools=[_absolute(t) for t in cfg.tools],
                               environment=cfg.environment and _absolute(cfg.environment))
     # a task or reward that cannot load stops here
-    task = get_task(cfg.task, cfg.rewards, cfg.seed, cfg.tools, environment=cfg.environment)
+    task = get_task(cfg.task, cfg.rewards, cfg.tools, environment=cfg.environment)
     cfg = settle.episode_budget(cfg, task)  # an episode's budget, not one turn's, is TRL's max_completion_length
     if task.tools or task.environment:
         check_tool_template(cfg)

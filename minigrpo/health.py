@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from minigrpo.config import PRESETS, TrainConfig
+from minigrpo.config import TrainConfig
+from minigrpo.presets import PRESETS
 from minigrpo.console import Display
 from minigrpo.hardware import peak_memory_gb
 
@@ -17,7 +18,7 @@ GAP_WARNING = 0.05  # mean |sampler - trainer| log-prob per token above which th
 FLAT_STEPS = 5  # steps in a row without a group whose rewards differ, before a run is told it learns nothing
 
 
-def check_health(cfg: TrainConfig, metrics: dict, bad_in_a_row: int, display: Display, save, where: Path) -> int:
+def warn_or_stop(cfg: TrainConfig, metrics: dict, bad_in_a_row: int, display: Display, save, where: Path) -> int:
     """Warn about a skipped NaN update (and stop after max_bad_steps in a row, saved), about steps with nothing
     to learn from (no group's rewards differ), and about a generator whose log-probs drift from the trainer's;
     returns the NaN steps in a row so far."""

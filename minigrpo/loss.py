@@ -2,7 +2,7 @@
 
 Shapes: P prompts, G completions per prompt, B = P x G rows, T completion tokens per row.
 
-The named variants are settings of a few orthogonal knobs, not branches of their own:
+The named variants are settings of a few orthogonal knobs (config.LOSS_PRESETS), not branches of their own:
 
     preset    scale_rewards  aggregation   what it is
     grpo      group          sequence      A = (r - mean_g) / std_g; mean over each completion's tokens,
@@ -22,21 +22,18 @@ The named variants are settings of a few orthogonal knobs, not branches of their
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
-TOKEN_PPO = dict(importance_sampling="token", surrogate="ppo", epsilon=0.2)
-PRESETS = {
-    "grpo": dict(scale_rewards="group", loss_aggregation="sequence", **TOKEN_PPO),
-    "dr_grpo": dict(scale_rewards="none", loss_aggregation="constant", **TOKEN_PPO),
-    "dapo": dict(scale_rewards="group", loss_aggregation="token", **TOKEN_PPO),
-    "bnpo": dict(scale_rewards="batch", loss_aggregation="token", **TOKEN_PPO),
-    "gspo": dict(scale_rewards="group", loss_aggregation="sequence", importance_sampling="sequence",
-                 surrogate="ppo", epsilon=3e-4, epsilon_high=4e-4),
-    "cispo": dict(scale_rewards="group", loss_aggregation="token", importance_sampling="token",
-                  surrogate="cispo", epsilon=0.2, epsilon_high=4.0),
-}
+from minigrpo.config import (Advantage, ImportanceSampling, KlEstimator, LossAggregation, RewardAggregation,
+                             ScaleRewards, Surrogate, TrainConfig, choices, or_list)
+
+
+
+def not_one_of(kind, name: str, value) -> None:
+    """Raise for a value its choice (config.py's Literal) does not allow."""
+    raise ValueError(f"{name} must be {or_list(choices(kind))}, not {value!r}")
 
 
 def advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", estimator: str = "grpo",
@@ -66,13 +63,13 @@ def advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", est
     elif estimator == "maxrl":
         return torch.where(mean > eps, centered / mean.clamp(min=eps), 0).view(-1)  # [B]
     elif estimator != "grpo":
-        raise ValueError(f"estimator must be grpo, rloo or maxrl, not {estimator!r}")
+        not_one_of(Advantage, "estimator", estimator)
     if scale == "group":
         centered = centered / (grouped.std(dim=1, keepdim=True) + eps)  # [P, G]
     elif scale == "batch":
         centered = centered / (rewards.std() + eps)  # [P, G]
     elif scale != "none":
-        raise ValueError(f"scale must be group, batch or none, not {scale!r}")
+        not_one_of(ScaleRewards, "scale", scale)
     return centered.view(-1)  # [B]
 
 
@@ -92,7 +89,7 @@ def combined_rewards(values: torch.Tensor, weights: torch.Tensor, group_size: in
     if how == "sum":
         return (weights[:, None] * values).sum(dim=0)  # [B]
     if how != "normalize_then_sum":
-        raise ValueError(f"reward aggregation must be sum or normalize_then_sum, not {how!r}")
+        not_one_of(RewardAggregation, "reward aggregation", how)
     grouped = values.view(values.shape[0], -1, group_size)  # [K, P, G]
     normal = (grouped - grouped.mean(dim=2, keepdim=True)) / (grouped.std(dim=2, keepdim=True) + eps)  # [K, P, G]
     return (weights[:, None, None] * normal).sum(dim=0).view(-1)  # [B]
@@ -113,12 +110,36 @@ def groups_with_spread(rewards: torch.Tensor, group_size: int, estimator: str = 
     return differs & (grouped.mean(dim=1) > eps) if estimator == "maxrl" else differs  # [P]
 
 
-def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.Tensor | None,
-                advantages: torch.Tensor, mask: torch.Tensor, *, epsilon: float = 0.2,
-                epsilon_high: float | None = None, beta: float = 0.0, aggregation: str = "sequence",
-                max_tokens: int | None = None, sampler_logps: torch.Tensor | None = None,
-                tis_cap: float = 0.0, importance_sampling: str = "token", surrogate: str = "ppo",
-                selected: torch.Tensor | None = None, kl_estimator: str = "k3", entropy: torch.Tensor | None = None,
+@dataclass(frozen=True)
+class Objective:
+    """The loss's fixed settings, bound once when a run starts (`Objective.of(cfg)`); each field is the config's of
+    the same name (but two, in `CONFIG_NAMES`), so a new knob is a field here and one in config.py.
+
+    >>> o = Objective.of(TrainConfig(loss="gspo", max_new_tokens=64))
+    >>> o.epsilon, o.epsilon_high, o.aggregation, o.max_tokens, o.importance_sampling
+    (0.0003, 0.0004, 'sequence', 64, 'sequence')
+    """
+    epsilon: float = 0.2  # clip range below 1
+    epsilon_high: float | None = None  # above 1; None: epsilon
+    beta: float = 0.0  # the KL's weight
+    aggregation: LossAggregation = "sequence"  # how tokens are averaged (`aggregate`)
+    max_tokens: int | None = None  # the "constant" aggregation's length
+    tis_cap: float = 0.0  # truncated importance sampling's cap on the trainer/sampler ratio; 0 off
+    importance_sampling: ImportanceSampling = "token"
+    surrogate: Surrogate = "ppo"
+    kl_estimator: KlEstimator = "k3"
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> "Objective":
+        return cls(**{f.name: getattr(cfg, CONFIG_NAMES.get(f.name, f.name)) for f in fields(cls)})
+
+
+CONFIG_NAMES = {"aggregation": "loss_aggregation", "max_tokens": "completion_tokens"}  # Objective's -> the config's
+
+
+def policy_loss(objective: Objective, logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.Tensor | None,
+                advantages: torch.Tensor, mask: torch.Tensor, *, sampler_logps: torch.Tensor | None = None,
+                selected: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
                 entropy_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped surrogate plus beta x an estimate of KL(policy || reference), over `mask`ed tokens, minus
     entropy_coef x the mean entropy of the trained tokens.
@@ -142,36 +163,37 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.T
                 "token":    sum over all tokens / number of tokens;
                 "constant": sum over all tokens / (rows x max_tokens).
     """
-    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    o = objective
+    epsilon, epsilon_high = o.epsilon, o.epsilon if o.epsilon_high is None else o.epsilon_high
     mask = mask.bool()  # [B, T]
     adv = advantages.unsqueeze(1)  # [B, 1]
     log_ratio = torch.where(mask, logps - old_logps, 0)  # [B, T]
-    if importance_sampling == "sequence":
+    if o.importance_sampling == "sequence":
         log_ratio = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)  # [B, 1]
-    elif importance_sampling != "token":
-        raise ValueError(f"importance_sampling must be token or sequence, not {importance_sampling!r}")
+    elif o.importance_sampling != "token":
+        not_one_of(ImportanceSampling, "importance_sampling", o.importance_sampling)
     ratio = torch.exp(log_ratio).expand_as(logps)  # [B, T]
-    if surrogate == "ppo":
+    if o.surrogate == "ppo":
         clipped_ratio = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)  # [B, T]
         per_token = -torch.min(ratio * adv, clipped_ratio * adv)  # [B, T]
         is_clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))  # [B, T]
-    elif surrogate == "cispo":
+    elif o.surrogate == "cispo":
         per_token = -ratio.clamp(max=1 + epsilon_high).detach() * adv * logps  # [B, T]
         is_clipped = ratio > 1 + epsilon_high  # [B, T]
     else:
-        raise ValueError(f"surrogate must be ppo or cispo, not {surrogate!r}")
-    if sampler_logps is not None and tis_cap > 0:
-        tis = torch.exp(old_logps - sampler_logps).clamp(max=tis_cap)  # [B, T]
+        not_one_of(Surrogate, "surrogate", o.surrogate)
+    if sampler_logps is not None and o.tis_cap > 0:
+        tis = torch.exp(old_logps - sampler_logps).clamp(max=o.tis_cap)  # [B, T]
         per_token = per_token * tis.detach()  # [B, T]
     if selected is not None:
         per_token = torch.where(selected.bool(), per_token, 0)  # [B, T]
-    if beta > 0 and ref_logps is not None:
-        kl = kl_estimate(ref_logps - logps, kl_estimator)  # [B, T]
-        per_token = per_token + beta * kl  # [B, T]
+    if o.beta > 0 and ref_logps is not None:
+        kl = kl_estimate(ref_logps - logps, o.kl_estimator)  # [B, T]
+        per_token = per_token + o.beta * kl  # [B, T]
     else:
         kl = torch.zeros_like(logps)  # [B, T]
 
-    loss = aggregate(per_token, mask, aggregation, max_tokens)
+    loss = aggregate(per_token, mask, o.aggregation, o.max_tokens)
     if entropy_coef and entropy is not None:  # a bonus on the trained tokens' mean entropy, whatever the aggregation
         trained = mask if selected is None else selected.bool() & mask  # [B, T]
         loss = loss - entropy_coef * torch.where(trained, entropy, 0).sum() / trained.sum().clamp(min=1)
@@ -186,8 +208,8 @@ def policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.T
 def kl_estimate(log_ref_ratio: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """Per-token estimates of KL(policy || reference) from d = log p_ref - log p of the sampled tokens.
 
-    >>> [round(kl_estimate(torch.tensor([0.5]), k).item(), 4) for k in ("k1", "k2", "k3")]
-    [-0.5, 0.125, 0.1487]
+    >>> {k: round(kl_estimate(torch.tensor([0.5]), k).item(), 4) for k in choices(KlEstimator)}
+    {'k1': -0.5, 'k2': 0.125, 'k3': 0.1487}
     """
     if estimator == "k1":
         return -log_ref_ratio
@@ -195,7 +217,7 @@ def kl_estimate(log_ref_ratio: torch.Tensor, estimator: str = "k3") -> torch.Ten
         return log_ref_ratio.pow(2) / 2
     if estimator == "k3":
         return torch.exp(log_ref_ratio) - log_ref_ratio - 1
-    raise ValueError(f"kl_estimator must be k1, k2 or k3, not {estimator!r}")
+    not_one_of(KlEstimator, "kl_estimator", estimator)
 
 
 @dataclass
@@ -262,7 +284,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str, max
         return masked.sum() / mask.sum().clamp(min=1)
     if aggregation == "constant":
         return masked.sum() / (mask.shape[0] * (max_tokens or mask.shape[1]))
-    raise ValueError(f"aggregation must be sequence, token or constant, not {aggregation!r}")
+    not_one_of(LossAggregation, "aggregation", aggregation)
 
 
 def microbatch_weight(mask_micro: torch.Tensor, mask_batch: torch.Tensor, aggregation: str) -> float:

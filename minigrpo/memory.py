@@ -12,6 +12,29 @@ GiB = 2**30
 # logsumexp's temporaries it comes after (minigrpo/rehearse.py counts both)
 LOGPROB_BYTES = {True: 12, False: 13}  # keyed by top-p == 1
 
+# The shapes the decoders build, stated here (below them) so that what the plan counts is what they make.
+LENGTH_STEP = 64  # cache lengths are rounded up to this, so rollouts of similar prompts share one graph
+PREFILL_TOKENS = 4096  # prompt tokens per prefill forward: its cache and activations are what the plan counts
+NUCLEUS_TOP_K = 256  # tokens ranked per row for the kept mass; a row whose nucleus reaches past them is bisected
+
+
+def rows_bucket(rows: int) -> int:
+    """The rows a decode state is built with: the next power of two, so turns with a few episodes fewer share one.
+
+    >>> [rows_bucket(r) for r in (1, 3, 8, 9, 64)]
+    [1, 4, 8, 16, 64]
+    """
+    return 1 << (rows - 1).bit_length()
+
+
+def prefill_prompts(longest: int) -> int:
+    """How many prompts one prefill forward takes: `PREFILL_TOKENS` tokens' worth at the batch's longest prompt.
+
+    >>> prefill_prompts(100), prefill_prompts(512), prefill_prompts(9000)
+    (40, 8, 1)
+    """
+    return max(1, PREFILL_TOKENS // longest)
+
 
 @dataclass(frozen=True)
 class Sizes:
@@ -49,7 +72,7 @@ class Sizes:
         cached after wake-up): the pool's blocks are the caching allocator's segments, a tensor of 10 MB or more
         rounded to 2 MB, smaller ones sharing 20 MB segments, the smallest (1 MB and less) 2 MB ones.
 
-        >>> from minigrpo.config import preset_shape
+        >>> from minigrpo.presets import preset_shape
         >>> [round(Sizes.of(preset_shape(m)).pinned_gb(2), 2) for m in ("qwen-1.5b", "qwen-3b")]  # 16-bit: 2.9, 5.8
         [3.6, 8.78]
         """
@@ -107,8 +130,6 @@ class StepMemory:
     def generation_gb(self, rows: int, prompt_tokens: int, new_tokens: int) -> float:
         """The fixed-shape decoder's state: keys and values for every row, its length rounded up as the decoder
         rounds it, and per row and position a float32 mask entry per kv head, the token and its log-prob."""
-        from minigrpo.generate.static import LENGTH_STEP
-
         s = Sizes.of(self.shape)
         T = -(-(prompt_tokens + new_tokens) // LENGTH_STEP) * LENGTH_STEP
         heads = getattr(self.shape, "num_key_value_heads", None) or self.shape.num_attention_heads
@@ -134,8 +155,6 @@ class StepMemory:
 
     def logprob_gb(self, rows: int, new_tokens: int) -> float:
         """The lm head's buffers for one chunk of completion tokens (logprobs.HeadLogprobs)."""
-        from minigrpo.generate.sampling import NUCLEUS_TOP_K
-
         s = Sizes.of(self.shape)
         chunk = min(min(rows, self.micro_batch_size) * new_tokens, self.chunk)
         per_row = 2 * s.hidden * self.dtype_bytes  # a row's hidden state and its gradient
@@ -146,8 +165,6 @@ class StepMemory:
     def prefill_gb(self, rows: int, prompt_tokens: int, prompts: int | None = None) -> float:
         """What a rollout's prefill adds to its decode state (`StaticDecoder.prefill`): one group of prompts' cache
         and one layer's working set without gradients (PEFT's adapter path in float32), and the rows' logits."""
-        from minigrpo.generate.static import prefill_prompts
-
         s = Sizes.of(self.shape)
         b = self.dtype_bytes
         tokens = min(prefill_prompts(prompt_tokens), prompts or rows) * prompt_tokens
@@ -164,8 +181,6 @@ class StepMemory:
         training = self.training_gb(rows, prompt_tokens, new_tokens)
         if not self.hf_generation:
             return training
-        from minigrpo.generate.static import rows_bucket
-
         trained, evaluated = rows_bucket(rows), rows_bucket(eval_rows) if eval_rows else 0
         kept = evaluated if rows <= evaluated <= 2 * trained else trained  # the state a training rollout leaves
         decoding = max(self.generation_gb(trained, prompt_tokens, new_tokens)

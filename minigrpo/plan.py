@@ -156,7 +156,7 @@ def needs_checkpointing(shape, gpu: Gpu | None, s: Settings, nbytes: int, traine
     """Recompute activations in backward? On a cpu, not where the estimate without it is under an eighth of RAM
     (a forward pass saved; docs/speed.md); on a card, yes: its estimates are not yet checked on one.
 
-    >>> from minigrpo.config import preset_shape
+    >>> from minigrpo.presets import preset_shape
     >>> s = Settings(rows=16, prompts=2, prompt_tokens=64, new_tokens=48, checkpointing=None)
     >>> [needs_checkpointing(preset_shape(m), None, s, 2, gb, 16) for m, gb in (("smollm2-135m", .3), ("qwen-1.5b", 3))]
     [False, True]

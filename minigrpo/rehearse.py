@@ -187,7 +187,8 @@ def rehearse(preset: str, gpu, top_p: float = 1.0, prompt_tokens: int = 192, say
 
     import transformers
 
-    from minigrpo.config import TrainConfig, preset_shape
+    from minigrpo.config import TrainConfig
+    from minigrpo.presets import preset_shape
     from minigrpo.hardware import compute_dtype
     from minigrpo.plan import Settings, StepMemory, make_plan, weights_gb
 
@@ -225,6 +226,7 @@ def _trainer_parts(policy, lora: list, counter: LiveBytes, cfg, s, memory, dtype
     from minigrpo.logprobs import HeadLogprobs, positions
     from minigrpo.plan import ADAPTER_BYTES
     from minigrpo.sft import sft_step
+    from minigrpo.loss import Objective
     from minigrpo.update import micro_batches, policy_update
 
     sizes, inner = Sizes.of(policy.get_base_model().config), policy.get_base_model()
@@ -270,7 +272,8 @@ def _trainer_parts(policy, lora: list, counter: LiveBytes, cfg, s, memory, dtype
     mb = micro_batches(cfg, batch, 0, "meta")
     scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)  # a T4 scales float16 losses
     planned = memory.training_gb(micro, Lp, T) + sizes.lora_per_rank * cfg.lora_rank * 4 / GiB  # and gradients
-    update = lambda: policy_update(cfg, policy, mb, torch.zeros(micro), optimizer, scaler)  # noqa: E731
+    objective = Objective.of(cfg)
+    update = lambda: policy_update(cfg, objective, policy, mb, torch.zeros(micro), optimizer, scaler)  # noqa: E731
     row(f"one micro-batch's update ({micro} rows: log-probs, loss, backward, AdamW)", peak_above(counter, update),
         planned)
     sft = lambda: sft_step(cfg, policy, [([0] * Lp, [0] * T)] * micro, 0, optimizer, scaler)  # noqa: E731
@@ -280,7 +283,8 @@ def _trainer_parts(policy, lora: list, counter: LiveBytes, cfg, s, memory, dtype
 def _decoder_parts(policy, counter: LiveBytes, dtype, s, memory, dense_gb: float, row) -> None:
     """The fixed-shape decoder's dense copy, then its state and prefill for a training rollout and for the
     held-out evaluation, each beside the plan's figure (`row(name, counted bytes, planned GB)`)."""
-    from minigrpo.generate.static import StaticDecoder, rows_bucket
+    from minigrpo.generate.static import StaticDecoder
+    from minigrpo.memory import rows_bucket
 
     Lp, T = s.prompt_tokens, s.new_tokens
     policy.eval()
@@ -304,7 +308,7 @@ def print_rehearsal(model: str, gpu: str, top_p: float, console) -> None:
     """`plan --rehearse`: each part of a step as counted on meta tensors beside the plan's figure for it."""
     from rich.table import Table
 
-    from minigrpo.config import PRESETS
+    from minigrpo.presets import PRESETS
     from minigrpo.hardware import CARDS
 
     if model not in PRESETS or gpu not in CARDS:

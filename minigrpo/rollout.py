@@ -3,9 +3,9 @@ the groups whose rewards differ (DAPO's dynamic sampling); and the prompt pool w
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -15,21 +15,11 @@ from minigrpo.config import TrainConfig
 from minigrpo.generate import Generator, Sampling
 from minigrpo.scoring import (NESTED, PER_COMPLETION, PER_PROMPT, SUMMED, Scores, along, join_batches, pick_groups,
                               score, trainer_state)
-from minigrpo.settle import solved_reward
 from minigrpo.tasks import Task
+from minigrpo.tools import environment_tools, render_prompt
 
-
-def render_prompt(tokenizer, prompt: str | list[dict], tools: list = ()) -> str:
-    """A prompt as the model sees it: through its chat template when it has one, with the task's tools
-    offered (in the template's own way, or in the system message where it has none)."""
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    if tools:
-        from minigrpo.tools import render
-
-        return render(tokenizer, messages, tools)
-    if tokenizer.chat_template:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return "\n".join(m["content"] for m in messages) + "\n"
+if TYPE_CHECKING:  # a type only: state.py is above this module
+    from minigrpo.state import RunState
 
 
 @dataclass
@@ -54,7 +44,7 @@ def complete(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, rows
     n = sampling.n
     envs, said = E.start_environments(task.environment, rows, n, task.environment_prompts) if task.environment \
         else (None, [None] * len(rows))
-    tools = list(task.tools) + (E.environment_tools(envs[0]) if envs else [])
+    tools = list(task.tools) + (environment_tools(envs[0]) if envs else [])
     prompts = [joined(row["prompt"], text) for row, text in zip(rows, said)]
     prompt_ids = [tokenizer(render_prompt(tokenizer, p, tools), add_special_tokens=False).input_ids for p in prompts]
     for p, ids in zip(prompts, prompt_ids):
@@ -115,29 +105,28 @@ class Groups:
         return join_batches(self, other)
 
 
-def rollout(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, weights: list[float],
-            rows: list[dict], state=None) -> Groups:
+def rollout(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, rows: list[dict], state=None) -> Groups:
     """G completions for each row's prompt, decoded and scored (`state`: the rewards' trainer_state)."""
     G = cfg.num_generations
     t0 = time.perf_counter()
     out = complete(cfg, tokenizer, generator, task, rows, Sampling(G, cfg.max_new_tokens, cfg.temperature, cfg.top_p))
     t1 = time.perf_counter()
-    scores = score(task.rewards, weights, [c["prompt"] for c in out.columns], out.completions, out.completion_ids,
+    scores = score(task.rewards, task.weights, [c["prompt"] for c in out.columns], out.completions, out.completion_ids,
                    out.columns, strict=cfg.strict_rewards, timeout=cfg.reward_timeout, state=state)
     return Groups(rows, out.prompt_ids, out.completion_ids, out.completions, out.truncated, out.sampler_logps,
                   scores, t1 - t0, time.perf_counter() - t1, out.model_masks, out.stats,
                   [out.columns[i * G]["prompt"] for i in range(len(rows))])
 
 
-def collect(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, weights: list[float],
-            prompts: "PromptPool", step: int = 1) -> tuple[Groups, dict]:
-    """The step's groups. With filter_groups, groups whose rewards are all equal (no gradient) are
-    dropped and more prompts are drawn, for at most max_filter_rounds extra rounds (DAPO's dynamic sampling)."""
-    G = cfg.num_generations
+def collect(cfg: TrainConfig, run: "RunState", task: Task, step: int = 1) -> tuple[Groups, dict]:
+    """The step's groups, drawn from the run's prompt pool and sampled by its generator. With filter_groups, groups
+    whose rewards are all equal (no gradient) are dropped and more prompts are drawn, for at most
+    max_filter_rounds extra rounds (DAPO's dynamic sampling)."""
+    G, tokenizer, generator, prompts = cfg.num_generations, run.tokenizer, run.generator, run.prompts
     done = step - 1  # optimizer steps taken, as TRL's state counts them while the step's rewards run
     state = trainer_state(done, cfg.steps, done * cfg.prompts_per_step / len(prompts.rows))
-    batch = rollout(cfg, tokenizer, generator, task, weights, prompts.draw(cfg.prompts_per_step), state)
-    prompts.record(batch.rows, batch.scores.totals, G, solved_reward(cfg, task))
+    batch = rollout(cfg, tokenizer, generator, task, prompts.draw(cfg.prompts_per_step), state)
+    prompts.record(batch.rows, batch.scores.totals, G, task.solved_reward)
     spread = L.groups_with_spread(torch.tensor(batch.scores.totals), G, cfg.advantage).tolist()
     info = {"frac_groups_reward_differs": float(np.mean(spread)), "filter/extra_rounds": 0,
             "tokens_generated": generated_tokens(batch),
@@ -149,8 +138,8 @@ def collect(cfg: TrainConfig, tokenizer, generator: Generator, task: Task, weigh
     kept = batch.select([i for i, s in enumerate(spread) if s], G)
     while len(kept.rows) < cfg.prompts_per_step and info["filter/extra_rounds"] < cfg.max_filter_rounds:
         info["filter/extra_rounds"] += 1
-        more = rollout(cfg, tokenizer, generator, task, weights, prompts.draw(cfg.prompts_per_step), state)
-        prompts.record(more.rows, more.scores.totals, G, solved_reward(cfg, task))
+        more = rollout(cfg, tokenizer, generator, task, prompts.draw(cfg.prompts_per_step), state)
+        prompts.record(more.rows, more.scores.totals, G, task.solved_reward)
         info["tokens_generated"] += generated_tokens(more)
         info["generate_s"] += more.generate_s
         info["reward_s"] += more.reward_s
@@ -176,69 +165,3 @@ def episode_metrics(stats: dict) -> dict:
     return {"episode/turns": stats["turns"] / n, "episode/tool_calls": stats["tool_calls"] / n,
             "episode/tool_errors": stats["tool_errors"], "episode/cut_by_turns": stats["cut_by_turns"],
             "episode/cut_by_tokens": stats["cut_by_tokens"]}
-
-
-class PromptPool:
-    """Rows in a seeded random order, epoch after epoch; with `retire_after` K > 0, a curriculum: a prompt
-    solved by every completion on K visits in a row leaves the pool, and a prompt never solved is drawn
-    less often (after m such visits it is skipped with probability m / (m + 1))."""
-
-    def __init__(self, rows: list[dict], seed: int, retire_after: int = 0):
-        if not rows:
-            raise ValueError("the task has no data rows")
-        self.rows, self.rng, self.retire_after = rows, random.Random(seed), retire_after
-        self.order: list[int] = []
-        self.solved_streak = [0] * len(rows)
-        self.unsolved_visits = [0] * len(rows)
-        self.retired: set[int] = set()
-        self.index = {id(row): i for i, row in enumerate(rows)}
-
-    def draw(self, k: int) -> list[dict]:
-        out = []
-        while len(out) < k:
-            if len(self.retired) == len(self.rows):
-                self.retired.clear()  # everything solved: start over rather than stop
-            if not self.order:
-                self.order = self.rng.sample(range(len(self.rows)), len(self.rows))
-            i = self.order.pop()
-            if i in self.retired:
-                continue
-            m = self.unsolved_visits[i]
-            if self.retire_after and m and self.rng.random() < m / (m + 1):
-                continue
-            out.append(self.rows[i])
-        return out
-
-    def record(self, rows: list[dict], totals: list[float], G: int, solved_reward: float) -> None:
-        if not self.retire_after:
-            return
-        for g, row in enumerate(rows):
-            i = self.index[id(row)]
-            group = totals[g * G:(g + 1) * G]
-            if all(r >= solved_reward for r in group):
-                self.solved_streak[i] += 1
-                if self.solved_streak[i] >= self.retire_after:
-                    self.retired.add(i)
-            else:
-                self.solved_streak[i] = 0
-            if not any(r >= solved_reward for r in group):
-                self.unsolved_visits[i] += 1
-            else:
-                self.unsolved_visits[i] = 0
-
-    def state_dict(self) -> dict:
-        return {"rng": self.rng.getstate(), "order": list(self.order), "solved_streak": list(self.solved_streak),
-                "unsolved_visits": list(self.unsolved_visits), "retired": sorted(self.retired)}
-
-    def load_state_dict(self, state: dict) -> None:
-        if len(state["solved_streak"]) != len(self.rows):
-            raise ValueError("the checkpoint's prompt pool does not match this task's data")
-        self.rng.setstate(state["rng"])
-        self.order = list(state["order"])
-        self.solved_streak, self.unsolved_visits = list(state["solved_streak"]), list(state["unsolved_visits"])
-        self.retired = set(state["retired"])
-
-    def metrics(self) -> dict:
-        if not self.retire_after:
-            return {}
-        return {"pool/size": len(self.rows) - len(self.retired), "pool/retired": len(self.retired)}

@@ -49,7 +49,7 @@ class RunFolder:
         os.write(fd, f"minigrpo process {os.getpid()} (since {time.strftime('%H:%M:%S')})".encode())
         self.lock_fd = fd
 
-    def check_lock(self) -> None:
+    def refuse_if_lock_lost(self) -> None:
         """Still the one writer? The lock lives on `.lock`'s file: if that file was deleted (a stale-lock cleanup)
         or replaced, a second process may hold the folder's new one. Checked before each write; it stops this
         process without writing more, in one line."""
@@ -88,7 +88,7 @@ class RunFolder:
         cfg.save(self.path / "config.json")
 
     def log(self, metrics: dict, samples: list[dict]) -> None:
-        self.check_lock()
+        self.refuse_if_lock_lost()
         with open(self.path / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
         with open(self.path / "samples.jsonl", "a") as f:
@@ -98,7 +98,7 @@ class RunFolder:
             report(numbers, metrics["step"])
 
     def save_adapter(self, model) -> Path:
-        self.check_lock()
+        self.refuse_if_lock_lost()
         out = self.path / "adapter"
         model.save_pretrained(out)
         return out
@@ -106,7 +106,7 @@ class RunFolder:
     def mark_stopped(self, saved_step: int, how: str) -> None:
         """Say in the folder that the run stopped before its end (every command that reads a run folder's adapter
         reads this): the step its last checkpoint holds, and how it stopped."""
-        self.check_lock()
+        self.refuse_if_lock_lost()
         (self.path / STOPPED_FILE).write_text(json.dumps(
             {"step": saved_step, "how": how, "resume": f"minigrpo train --resume {self.path}"}) + "\n")
 

@@ -182,12 +182,12 @@ def _checked(name: str, i: int, value):
     return out if isinstance(value, dict) else out[None]
 
 
-def score(reward_fns: list[Callable], weights: list[float], prompts: list, completions: list,
+def score(reward_fns: list[Callable], weights: list[float] | None, prompts: list, completions: list,
           completion_ids: list[list[int]], rows: list[dict], strict: bool = False,
           timeout: float | None = None, state=None) -> Scores:
     """Every reward function on one batch. A function that raises (or exits, or runs past `timeout`
     seconds per completion) scores 0 on the samples it fails on, with a warning and a counter, unless
-    `strict`; a broken contract is always a RewardError."""
+    `strict`; a broken contract is always a RewardError. `weights` None: 1.0 each, as a Task's."""
     columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
     n = len(completions)
     result = Scores(totals=[0.0] * n, values={})
@@ -195,7 +195,7 @@ def score(reward_fns: list[Callable], weights: list[float], prompts: list, compl
     extras = {"trainer_state": state if state is not None else trainer_state(),
               "log_extra": lambda column, values: result.extra.setdefault(column, []).extend(values),
               "log_metric": lambda name, value: result.metrics.setdefault(name, []).append(float(value))}
-    for fn, weight in zip(reward_fns, weights):
+    for fn, weight in zip(reward_fns, weights or [1.0] * len(reward_fns)):
         name = reward_name(fn)
         missing = [c for c in required_columns(fn) if c not in columns]
         if "completion" in missing:

@@ -34,6 +34,16 @@ def held_out_rows(cfg: TrainConfig, task: Task) -> list[dict]:
     return rows[:cfg.eval_prompts]
 
 
+def run_task(task: Task, cfg: TrainConfig) -> Task:
+    """The task as a run holds it: the run's reward weights (--reward-weight's, else its own, else 1.0 each, one
+    per reward) and the total reward at which a completion counts as solved (--solved-reward, else its own)."""
+    weights = list(cfg.reward_weights or task.weights or [1.0] * len(task.rewards))
+    if len(weights) != len(task.rewards):
+        raise ValueError(f"{len(weights)} reward weights for the {len(task.rewards)} reward functions "
+                         f"{task.reward_names}")
+    return dataclasses.replace(task, weights=weights, solved_reward=solved_reward(cfg, task))
+
+
 def overridden(cfg: TrainConfig, **values) -> TrainConfig:
     """`cfg` with the values given that are not None: the flags of a command that continues or reads a run."""
     return dataclasses.replace(cfg, **{k: v for k, v in values.items() if v is not None})
@@ -52,7 +62,7 @@ def episode_budget(cfg: TrainConfig, task: Task) -> TrainConfig:
     return cfg
 
 
-def check_eval_data(path: str | None) -> None:
+def refuse_missing_eval_data(path: str | None) -> None:
     if path and not Path(path).is_file():
         raise ValueError(f"--eval-data {path}: no such file; give a data file of held-out rows")
 
@@ -62,7 +72,7 @@ def evaluation(cfg: TrainConfig, task: Task, train_rows: list[dict]) -> tuple[Tr
     before/after evaluation skipped with a note (returned); an evaluation asked for (--eval-every) stops.
     --eval-data must be a file, and a note says when its prompts are among the training ones (the task's own
     split is the task's to keep apart)."""
-    check_eval_data(cfg.eval_data)
+    refuse_missing_eval_data(cfg.eval_data)
     if not (cfg.eval_every or cfg.eval_before_after):
         return cfg, None
     rows = held_out_rows(cfg, task)

@@ -64,7 +64,7 @@ def read_examples(path: Path) -> list[Example]:
 
 def token_rows(tokenizer, examples: list[Example]) -> TokenRows:
     """(prompt ids, completion ids) per example; the completion ends as the model ends a turn."""
-    from minigrpo.rollout import render_prompt
+    from minigrpo.tools import render_prompt
 
     end = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     return [(tokenizer(render_prompt(tokenizer, e.prompt), add_special_tokens=False).input_ids,
@@ -108,14 +108,15 @@ def sft(cfg: TrainConfig, data: Path, out: Path, epochs: int = 3, say=print) -> 
     """Train the adapter on `data` for `epochs` passes; write it to out/adapter and the record to out/sft.json."""
     from minigrpo.model import lora_parameters, seed_everything
     from minigrpo.run import usable_or_fail
-    from minigrpo.startup import load_for_training
+    from minigrpo.startup import load_for_training, prepare
 
     examples = read_examples(Path(data))
     usable_or_fail(Path(out), "--out", may_hold_results=False)
     seed_everything(cfg.seed)
     rows, cfg = sized_for(cfg, examples, Path(data))
-    loaded = load_for_training(cfg, say, longest_prompt=cfg.max_prompt_tokens, generate=False)
-    model, tokenizer, cfg = loaded.model, loaded.tokenizer, loaded.cfg
+    prepared = prepare(cfg, say, longest_prompt=cfg.max_prompt_tokens)
+    loaded = load_for_training(prepared, say, generate=False)
+    model, tokenizer, cfg = loaded.model, loaded.tokenizer, prepared.cfg
     optimizer = torch.optim.AdamW(lora_parameters(model), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     # as in GRPO's update: float16 gradients scaled up so they do not underflow, and a step whose loss or
     # gradients are not finite skipped rather than written into the adapter and AdamW's moments

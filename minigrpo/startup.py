@@ -17,6 +17,7 @@ import torch
 
 from minigrpo import settle
 from minigrpo.config import TrainConfig
+from minigrpo.errors import SetupError
 from minigrpo.generate import Generator, Sampling
 from minigrpo.generate.hf import HFGenerator
 from minigrpo.hardware import Gpu, allocator_problem, compute_dtype, this_gpu, versions, vllm_available
@@ -24,13 +25,21 @@ from minigrpo.model import load_policy, load_tokenizer
 from minigrpo.logprobs import pad_batch, token_logprobs
 from minigrpo.weights import resolve_weights
 from minigrpo.plan import Plan, Settings, make_plan
-from minigrpo.rollout import render_prompt
+from minigrpo.tools import render_prompt
 from minigrpo.tasks import Task, rows_and_places
 from minigrpo.generate.vllm_engine import VLLMGenerator
 
 
-class SetupError(RuntimeError):
-    """A run that cannot start as asked, with the fix in its message (the command line prints just that)."""
+@dataclass
+class Prepared:
+    """What is known before any weights load: the config as the plan settled it, and what the load reads."""
+    cfg: TrainConfig
+    weights: str  # the folder the weights load from
+    model_config: object  # transformers' config of the model
+    tokenizer: object
+    gpu: Gpu | None
+    plan: Plan
+    longest: int | None  # the longest prompt in tokens, where the task's were measured
 
 
 @dataclass
@@ -40,7 +49,6 @@ class Loaded:
     generator: Generator | None
     dtype: torch.dtype
     plan: Plan
-    cfg: TrainConfig  # as the plan settled it
 
 
 def plan_run(cfg: TrainConfig, model_config, gpu: Gpu | None, say, dtype: str | None = None,
@@ -58,7 +66,7 @@ def plan_run(cfg: TrainConfig, model_config, gpu: Gpu | None, say, dtype: str | 
     return plan
 
 
-def check_lengths(cfg: TrainConfig, task: Task, tokenizer, context: int | None) -> int:
+def longest_prompt_tokens(cfg: TrainConfig, task: Task, tokenizer, context: int | None) -> int:
     """Before the model loads: the prompt and completion budgets fit the model's context, and every prompt
     of the task's data fits the prompt budget (one tokenizer pass), naming the first that does not.
     Returns the longest prompt's length in tokens."""
@@ -81,11 +89,19 @@ def check_lengths(cfg: TrainConfig, task: Task, tokenizer, context: int | None) 
     return max(lengths, default=0)
 
 
-def load_for_training(cfg: TrainConfig, say=print, task: Task | None = None,
-                      longest_prompt: int | None = None, generate: bool = True) -> Loaded:
-    """The policy, tokenizer and generator (none without `generate`: SFT samples nothing, and a fixed-shape
-    decoder would hold a dense copy of a 4-bit base); with `task`, its prompts are checked against the budgets
-    first (with `longest_prompt`, the memory is planned for prompts that long)."""
+def settle_run(cfg: TrainConfig, task: Task, train_rows: list[dict], say=print) -> tuple[Prepared, list[str]]:
+    """A run's config settled in one step, before any weights load, each part named in turn. Returns what the load
+    reads (its `cfg` the settled config) and the notes the settling made."""
+    cfg = settle.episode_budget(cfg, task)  # where completions are episodes: their token budget
+    cfg, note = settle.evaluation(cfg, task, train_rows)  # skipped, with a note, where nothing is held out
+    cfg = settle.run_folder(cfg)  # runs/<time>-<model>-<task> where --out is not given
+    return prepare(cfg, say, task), [note] if note else []  # the memory plan, and the checkpointing it chose
+
+
+def prepare(cfg: TrainConfig, say=print, task: Task | None = None, longest_prompt: int | None = None) -> Prepared:
+    """Before any weights load: the model's config and tokenizer; with `task`, its prompts checked against the
+    budgets (with `longest_prompt`, prompts taken to be that long); the memory plan, said in one line; and an
+    unset --gradient-checkpointing settled as the plan chose."""
     from transformers import AutoConfig
 
     gpu = this_gpu()
@@ -94,9 +110,17 @@ def load_for_training(cfg: TrainConfig, say=print, task: Task | None = None,
     tokenizer = load_tokenizer(weights)
     longest = longest_prompt
     if task is not None:
-        longest = check_lengths(cfg, task, tokenizer, getattr(model_config, "max_position_embeddings", None)) or None
+        context = getattr(model_config, "max_position_embeddings", None)
+        longest = longest_prompt_tokens(cfg, task, tokenizer, context) or None
     plan = plan_run(cfg, model_config, gpu, say, prompt_tokens=longest)
     cfg = settle.checkpointing(cfg, plan.checkpointing)
+    return Prepared(cfg, weights, model_config, tokenizer, gpu, plan, longest)
+
+
+def load_for_training(prepared: Prepared, say=print, generate: bool = True) -> Loaded:
+    """The policy, tokenizer and generator as `prepared` planned them (no generator without `generate`: SFT
+    samples nothing, and a fixed-shape decoder would hold a dense copy of a 4-bit base)."""
+    cfg, weights, tokenizer, gpu, plan = prepared.cfg, prepared.weights, prepared.tokenizer, prepared.gpu, prepared.plan
     dtype = compute_dtype(gpu, cfg.dtype)[0]
     model = _load(cfg, weights, dtype, say)
     # float16's numbers are judged on the trainer alone, before any engine starts: a process then starts one
@@ -113,10 +137,10 @@ def load_for_training(cfg: TrainConfig, say=print, task: Task | None = None,
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         dtype = torch.float32
-        plan = plan_run(cfg, model_config, gpu, say, dtype="float32", prompt_tokens=longest)
+        plan = plan_run(cfg, prepared.model_config, gpu, say, dtype="float32", prompt_tokens=prepared.longest)
         model = _load(cfg, weights, dtype, say)
     generator = make_generator(cfg, model, tokenizer, plan, dtype, say) if generate else None
-    return Loaded(model, tokenizer, generator, dtype, plan, cfg)
+    return Loaded(model, tokenizer, generator, dtype, plan)
 
 
 def _load(cfg: TrainConfig, weights: str, dtype: torch.dtype, say):

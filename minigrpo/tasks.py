@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from minigrpo.data import DATA_SUFFIXES, check_rows, read_rows, read_rows_and_places
+from minigrpo.data import DATA_SUFFIXES, refuse_bad_rows, read_rows, read_rows_and_places
 from minigrpo.scoring import reward_name
 from minigrpo.sources.spec import split_rows  # noqa: F401 - the built-in tasks' data split, importable from here
 
@@ -61,7 +61,7 @@ class Task:
 ENVIRONMENT_TASK = "environment"  # --task when --environment supplies the prompts: no data
 
 
-def get_task(spec: str, extra_rewards: list[str] = (), seed: int = 0, extra_tools: list[str] = (),
+def get_task(spec: str, extra_rewards: list[str] = (), extra_tools: list[str] = (),
              environment: str | None = None) -> Task:
     """The task `spec` names, with any extra reward functions and tools (\"file.py:function\") appended, and
     `environment` (\"file.py:Class\", TRL's `environment_factory`) as its environment; with the task
@@ -102,15 +102,14 @@ def get_task(spec: str, extra_rewards: list[str] = (), seed: int = 0, extra_tool
     if environment:
         task = dataclasses.replace(task, environment=load_function(environment, "--environment", "an environment is "
                                                                    "a class with reset(**row) and tool methods"))
-    from minigrpo.episodes import environment_reward
+    from minigrpo.tools import environment_reward
 
     owned = environment_reward(task.environment) if task.environment else None
     rewards = list(task.rewards) + [load_reward(r) for r in extra_rewards] + ([owned] if owned else [])
     if not rewards:
         raise ValueError(f"task {task.name} has no reward function; add one with --reward file.py:function")
     weights = (task.weights or [1.0] * len(task.rewards)) + [1.0] * (len(extra_rewards) + bool(owned))
-    from minigrpo.episodes import environment_tools
-    from minigrpo.tools import schema
+    from minigrpo.tools import environment_tools, schema
 
     probe = task.environment() if task.environment else None
     if probe is not None and not callable(getattr(probe, "reset", None)):
@@ -247,13 +246,13 @@ def _hub_data(name: str) -> Callable[[str, int], list[dict]]:
             raise ValueError(f"loading the hub dataset {name} needs the `datasets` package") from None
         ds = datasets.load_dataset(name, split="train" if split == "train" else "test")
         rows = ds.to_list()
-        check_rows(rows, name)
+        refuse_bad_rows(rows, name)
         return rows
 
     return load
 
 
-def check_sandbox(task: Task, allow_unconfined: bool, say) -> None:
+def refuse_unconfined_code(task: Task, allow_unconfined: bool, say) -> None:
     """Where the task's rewards run model-written code: say which layers confine it, and refuse a machine
     that lacks a required one unless the user allowed it."""
     if not task.runs_code:

@@ -191,6 +191,17 @@ def describe(tools: list[Callable]) -> str:
             "Its result comes back in the next message.")
 
 
+def render_prompt(tokenizer, prompt: str | list[dict], tools: list = ()) -> str:
+    """A prompt as the model sees it: through its chat template when it has one, with the task's tools
+    offered (in the template's own way, or in the system message where it has none)."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if tools:
+        return render(tokenizer, messages, tools)
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "\n".join(m["content"] for m in messages) + "\n"
+
+
 def render(tokenizer, messages: list[dict], tools: list[Callable]) -> str:
     """The conversation as the model's prompt text, with the tools offered the way its template can."""
     if messages and messages[0]["role"] == "system" and not template_has_tools(tokenizer):
@@ -225,3 +236,27 @@ def _render(tokenizer, messages: list[dict], tools, generation_prompt: bool) -> 
     if tools:
         messages = [{"role": "system", "content": describe(list(tools))}, *messages]
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+# an environment (TRL's environment_factory): its methods are the model's tools, its get_reward() a reward
+
+def environment_tools(env) -> list[Callable]:
+    """An environment's tools, chosen as TRL chooses them: its public methods other than `reset` and
+    `get_reward` (and our `respond`), bound to the instance (so they act on its state)."""
+    return [getattr(env, name) for name, _ in inspect.getmembers(type(env), predicate=inspect.isfunction)
+            if name not in ("reset", "get_reward", "respond") and not name.startswith("_")]
+
+
+def environment_reward(factory: Callable) -> Callable | None:
+    """Where the environment scores its own episodes (`get_reward()`), a reward function that asks it, named
+    after its class, as TRL adds one."""
+    kind = factory if isinstance(factory, type) else type(factory())
+    if not callable(getattr(kind, "get_reward", None)):
+        return None
+
+    def reward(prompts, completions, environments, **columns):
+        return [env.get_reward() for env in environments]
+
+    reward.__name__ = kind.__name__
+    reward.environment_owned = True  # TRL adds this reward itself: `minigrpo graduate` leaves it out
+    return reward

@@ -20,7 +20,7 @@ import torch
 
 from minigrpo import checkpoint, fork, settle
 from minigrpo.judge import rubric as judge
-from minigrpo.adapters import check_adapter
+from minigrpo.adapters import refuse_foreign_adapters
 from minigrpo import loss as L
 from minigrpo.check import precheck_rewards
 from minigrpo.config import TrainConfig
@@ -28,17 +28,16 @@ from minigrpo.console import Display, quiet_libraries
 from minigrpo.errors import Stopped
 from minigrpo.evaluate import Evaluator
 from minigrpo.hardware import memory_in_use_gb, peak_memory_gb, reserved_memory_gb
-from minigrpo.health import StopRequest, check_health, is_out_of_memory, out_of_memory_advice
+from minigrpo.health import StopRequest, warn_or_stop, is_out_of_memory, out_of_memory_advice
 from minigrpo.model import seed_everything
 from minigrpo.plot import read_jsonl
-from minigrpo.rollout import PromptPool, collect
+from minigrpo.rollout import collect
 from minigrpo.run import LockLost, RunFolder
-from minigrpo.state import RunState
-from minigrpo.startup import load_for_training
+from minigrpo.state import PromptPool, RunState
+from minigrpo.startup import load_for_training, settle_run
 from minigrpo.supervise import progress
-from minigrpo.tasks import Task, check_sandbox, get_task
+from minigrpo.tasks import Task, refuse_unconfined_code, get_task
 from minigrpo.update import MicroBatches, Update, micro_batches, policy_update
-from minigrpo.weights import resolve_weights
 
 
 
@@ -48,41 +47,37 @@ def train(cfg: TrainConfig, resume: bool = False) -> Path:
     quiet_libraries()  # before a reward's TrainerState imports transformers' trainer, and with it bitsandbytes
     seed_everything(cfg.seed)
     progress(stage="checking the task and its rewards")
-    task = get_task(cfg.task, cfg.rewards, extra_tools=cfg.tools, environment=cfg.environment)
-    cfg = settle.episode_budget(cfg, task)
-    check_sandbox(task, cfg.allow_unconfined_code, print)
-    weights = cfg.reward_weights or task.weights
-    if len(weights) != len(task.rewards):
-        raise ValueError(f"{len(weights)} reward weights for the {len(task.rewards)} reward functions "
-                         f"{task.reward_names}")
+    task = settle.run_task(get_task(cfg.task, cfg.rewards, extra_tools=cfg.tools, environment=cfg.environment), cfg)
+    refuse_unconfined_code(task, cfg.allow_unconfined_code, print)
     train_rows = task.make_data("train", cfg.seed)
-    # a broken reward, a bad row, a folder that is not ours, weights out of reach: all stop here, before any
-    # model loads or a run folder is made
-    notes = precheck_rewards(task, weights, train_rows, cfg.reward_timeout)
-    check_adapter(cfg)
-    cfg, note = settle.evaluation(cfg, task, train_rows)
-    notes += filter(None, [note])
-    resolve_weights(cfg.hub_id)
-    cfg = settle.run_folder(cfg)  # a resumed run's folder is its own already
+    # a broken reward, a bad row, a folder that is not ours, weights out of reach, a run that cannot fit: all stop
+    # here, before any model loads or a run folder is made
+    notes = precheck_rewards(task, train_rows, cfg.reward_timeout)
+    refuse_foreign_adapters(cfg)
+    said = []  # the plan's line, shown under the run's first line
+    prepared, settled_notes = settle_run(cfg, task, train_rows, said.append)
+    cfg = prepared.cfg
     run = RunFolder(Path(cfg.output_dir), cfg.report_to) if resume else RunFolder.claim(cfg)
     if resume:
         run.lock()  # before the model loads: a second process on this folder stops here, in one line
     try:
-        return _load_and_train(cfg, resume, task, weights, train_rows, notes, run)
+        return _load_and_train(prepared, resume, task, train_rows, notes + settled_notes, said, run)
     finally:
         run.unlock()
 
 
-def _load_and_train(cfg, resume, task, weights, train_rows, notes, run) -> Path:
+def _load_and_train(prepared, resume, task, train_rows, notes, said, run) -> Path:
+    cfg = prepared.cfg
     display = Display(cfg.steps)
     display.print(f"[bold]minigrpo[/] {cfg.model} on {task.name}: {cfg.prompts_per_step} prompts x "
                   f"{cfg.num_generations} completions per step, {cfg.steps} step{'s' * (cfg.steps != 1)} -> {run.path}")
     for note in notes:
         display.print(f"[yellow]warning[/]: {note}", highlight=False)
+    for line in said:
+        display.print(line)
 
     progress(run=str(run.path), stage="loading the model")
-    loaded = load_for_training(cfg, display.print, task)
-    cfg = loaded.cfg  # settled by the memory plan
+    loaded = load_for_training(prepared, display.print)
     if not resume:
         run.start(cfg)  # written only now that the run can start
         if cfg.forked_from:
@@ -90,17 +85,16 @@ def _load_and_train(cfg, resume, task, weights, train_rows, notes, run) -> Path:
     state = RunState.start(cfg, loaded.model, loaded.tokenizer, loaded.generator, loaded.dtype, train_rows)
     judge.attach(judge.base_generate(state.generator, state.tokenizer), run.path)  # judges grade with the base
     try:
-        return _train(cfg, resume, task, weights, run, display, state)
+        return _train(cfg, resume, task, run, display, state)
     finally:
         judge.attach(None, None)
         state.generator.close()  # frees the engine, so a second run in this process (a notebook cell re-run) can start one
 
 
-def _train(cfg: TrainConfig, resume: bool, task: Task, weights: list[float], run: RunFolder, display: Display,
-           state: RunState) -> Path:
+def _train(cfg: TrainConfig, resume: bool, task: Task, run: RunFolder, display: Display, state: RunState) -> Path:
     evaluate = None
     if cfg.eval_every or cfg.eval_before_after:
-        evaluate = Evaluator(cfg, task, weights, state.tokenizer, state.generator, run.path)
+        evaluate = Evaluator(cfg, task, state.tokenizer, state.generator, run.path)
     full = bool(cfg.eval_every)  # sampled as well as greedy; the before/after alone is greedy
     loaded_gb = memory_in_use_gb()  # the model, the engine and the data: what a step's peak stands on
     done, resume = 0, resume or bool(cfg.forked_from)  # a fork resumes from its parent's checkpoint
@@ -118,6 +112,7 @@ def _train(cfg: TrainConfig, resume: bool, task: Task, weights: list[float], run
         progress(step=0, stage="evaluating before training")
         display.eval(evaluate(0, full))  # before any training: the baseline every later evaluation is read against
 
+    objective = L.Objective.of(cfg)  # the loss's fixed settings, bound once
     stop = StopRequest()
     display.on_reader_gone = lambda: stop.request("the output's reader went away")
     if display.reader_gone:  # it went while the model loaded
@@ -126,7 +121,7 @@ def _train(cfg: TrainConfig, resume: bool, task: Task, weights: list[float], run
     def save(at: int) -> Path:
         progress(step=at, stage="saving a checkpoint")
         stop.where = f"saving step {at}'s checkpoint"
-        run.check_lock()
+        run.refuse_if_lock_lost()
         return checkpoint.save(run.path, at, state, cfg.keep)
 
     step, bad_in_a_row, halted = done, 0, None  # halted: (the step saved, how) where the run stops before its end
@@ -137,7 +132,7 @@ def _train(cfg: TrainConfig, resume: bool, task: Task, weights: list[float], run
                 stop.where = f"step {step}"
                 display.stage(step)
                 try:
-                    metrics, samples = train_step(cfg, step, state, task, weights)
+                    metrics, samples = train_step(cfg, objective, step, state, task)
                 except Exception as error:
                     if not is_out_of_memory(error):
                         raise
@@ -147,7 +142,7 @@ def _train(cfg: TrainConfig, resume: bool, task: Task, weights: list[float], run
                 metrics["mem/loaded_gb"] = loaded_gb
                 run.log(metrics, samples)
                 display.step(metrics)
-                bad_in_a_row = check_health(cfg, metrics, bad_in_a_row, display, lambda: save(step), run.path)
+                bad_in_a_row = warn_or_stop(cfg, metrics, bad_in_a_row, display, lambda: save(step), run.path)
                 if cfg.sample_every and samples and (step == 1 or step % cfg.sample_every == 0):
                     display.sample(step, random.Random(step).choice(samples))
                 if evaluate and (step == cfg.steps or (full and step % cfg.eval_every == 0)):
@@ -186,44 +181,44 @@ def stopped(run: RunFolder, saved_step: int, how: str, display: Display) -> None
     raise Stopped(f"stopped ({how})")
 
 
-def train_step(cfg: TrainConfig, step: int, state: RunState, task: Task,
-               weights: list[float]) -> tuple[dict, list[dict]]:
+def train_step(cfg: TrainConfig, objective: L.Objective, step: int, state: RunState,
+               task: Task) -> tuple[dict, list[dict]]:
     """One GRPO step, in its stages, advancing `state`; returns the step's metrics and its samples."""
     model, tokenizer, generator, prompts, entropy = state.model, state.tokenizer, state.generator, state.prompts, \
         state.entropy
-    clock = {"start": time.perf_counter()}
+    took, started = {}, time.perf_counter()  # seconds each stage took (`collect` times generation and rewards)
 
     # 1. rollout: G completions per prompt, scored (with --filter-groups, only groups with spread)
     progress(step=step, stage="rollout")
-    batch, info = collect(cfg, tokenizer, generator, task, weights, prompts, step)
-    clock["rollout"], clock["generate_s"], clock["reward_s"] = time.perf_counter(), info.pop("generate_s"), \
-        info.pop("reward_s")
+    batch, info = collect(cfg, state, task, step)
+    took["generate"], took["reward"], took["rollout"] = info.pop("generate_s"), info.pop("reward_s"), \
+        time.perf_counter() - started
     if not batch.rows:  # every group had equal rewards, even after refilling: nothing to learn from
-        return {"step": step, **info, "skipped": 1, "time/step": clock["rollout"] - clock["start"],
-                "time/generate": clock["generate_s"], "mem/peak_gb": peak_memory_gb(), **prompts.metrics()}, []
+        return {"step": step, **info, "skipped": 1, "time/step": took["rollout"], "time/generate": took["generate"],
+                "mem/peak_gb": peak_memory_gb(), **prompts.metrics()}, []
 
     # 2. advantages within each group
     rewards = torch.tensor(batch.scores.totals)  # [B]
-    advantages = step_advantages(cfg, batch, weights)  # [B]
+    advantages = step_advantages(cfg, batch, task.weights)  # [B]
 
     # 3. policy update: (reference log-probs,) clipped loss, backward, optimizer, micro-batch by micro-batch
     progress(step=step, stage="update")
     model.train()
     mb = micro_batches(cfg, batch, tokenizer.pad_token_id, model.device)
-    update = policy_update(cfg, model, mb, advantages, state.optimizer, state.scaler, entropy.applied())
+    update = policy_update(cfg, objective, model, mb, advantages, state.optimizer, state.scaler, entropy.applied())
     update.totals["entropy_coef"] = entropy.applied()
     entropy.step(update.totals["entropy"])
     lr = state.optimizer.param_groups[0]["lr"]  # the rate this step used (a fork sets its own)
     state.scheduler.step()
-    clock["update"] = time.perf_counter()
+    took["update"] = time.perf_counter() - started - took["rollout"]
 
     # 4. the generator gets the new adapter
     progress(step=step, stage="sync")
     generator.sync(model)
-    clock["sync"] = time.perf_counter()
+    took["sync"] = time.perf_counter() - started - took["rollout"] - took["update"]
 
     # 5. metrics and samples
-    metrics = step_metrics(step, batch, info, rewards, mb, update, lr, clock, state.scaler, prompts)
+    metrics = step_metrics(step, batch, info, rewards, mb, update, lr, took, state.scaler, prompts)
     return metrics, samples_of(step, batch, rewards, advantages, cfg.num_generations)
 
 
@@ -241,7 +236,7 @@ def step_advantages(cfg: TrainConfig, batch, weights: list[float]) -> torch.Tens
 
 
 def step_metrics(step: int, batch, info: dict, rewards, mb: MicroBatches, update: Update, lr: float,
-                 clock: dict, scaler, prompts: PromptPool) -> dict:
+                 took: dict, scaler, prompts: PromptPool) -> dict:
     metrics = {
         "step": step,
         "reward/mean": rewards.mean().item(),
@@ -258,13 +253,13 @@ def step_metrics(step: int, batch, info: dict, rewards, mb: MicroBatches, update
         "truncated_frac": float(np.mean(batch.truncated)),
         "lr": lr,
         "grad_norm": update.grad_norm,
-        "time/generate": clock["generate_s"],  # with any extra filter rounds
-        "time/reward": clock["reward_s"],
-        "time/train": clock["update"] - clock["rollout"],  # reference pass, forward, backward and optimizer
+        "time/generate": took["generate"],  # with any extra filter rounds
+        "time/reward": took["reward"],
+        "time/train": took["update"],  # reference pass, forward, backward and optimizer
         "time/reference": update.reference_s,
-        "time/sync": clock["sync"] - clock["update"],
-        "time/step": clock["sync"] - clock["start"],
-        "tokens_per_s": info["tokens_generated"] / max(clock["generate_s"], 1e-9),
+        "time/sync": took["sync"],
+        "time/step": took["rollout"] + took["update"] + took["sync"],
+        "tokens_per_s": info["tokens_generated"] / max(took["generate"], 1e-9),
         "mem/peak_gb": peak_memory_gb(),
         **reserved_memory_gb(),
         **prompts.metrics(),

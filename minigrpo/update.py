@@ -76,10 +76,11 @@ class Update:
     grad_norms: list[float] = field(default_factory=list)
 
 
-def policy_update(cfg: TrainConfig, model, mb: MicroBatches, advantages: torch.Tensor, optimizer,
-                  scaler, entropy_coef: float = 0.0) -> Update:
-    """num_iterations passes over the micro-batches, one optimizer step each; `entropy_coef` the bonus on the
-    trained tokens' entropy this step (`loss.EntropyControl`)."""
+def policy_update(cfg: TrainConfig, objective: L.Objective, model, mb: MicroBatches, advantages: torch.Tensor,
+                  optimizer, scaler, entropy_coef: float = 0.0) -> Update:
+    """num_iterations passes over the micro-batches, one optimizer step each, of the loss `objective` (bound once
+    from `cfg` when the run starts); `entropy_coef` the bonus on the trained tokens' entropy this step
+    (`loss.EntropyControl`)."""
     n_chunks = len(mb.chunks)
     # the sampling-time policy, kept fixed across the passes (one pass: it is the current one)
     old_logps = fixed_logps(cfg, model, mb, reference=False) if cfg.num_iterations > 1 else [None] * n_chunks
@@ -107,13 +108,10 @@ def policy_update(cfg: TrainConfig, model, mb: MicroBatches, advantages: torch.T
             sampler = on_trainer_footing[k]  # [b, n] or None
             selected = L.high_entropy(entropy, mask, cfg.top_entropy_quantile) if cfg.top_entropy_quantile < 1 \
                 else None  # [b, n]
-            loss, m = L.policy_loss(logps, old, ref, advantages[c].to(logps.device), mask, epsilon=cfg.epsilon,
-                                    epsilon_high=cfg.epsilon_high, beta=cfg.beta, aggregation=cfg.loss_aggregation,
-                                    max_tokens=cfg.completion_tokens, sampler_logps=sampler, tis_cap=cfg.tis_cap,
-                                    importance_sampling=cfg.importance_sampling, surrogate=cfg.surrogate,
-                                    selected=selected, kl_estimator=cfg.kl_estimator, entropy=entropy,
+            loss, m = L.policy_loss(objective, logps, old, ref, advantages[c].to(logps.device), mask,
+                                    sampler_logps=sampler, selected=selected, entropy=entropy,
                                     entropy_coef=entropy_coef)
-            weight = L.microbatch_weight(mask, mb.full_mask, cfg.loss_aggregation)
+            weight = L.microbatch_weight(mask, mb.full_mask, objective.aggregation)
             scaler.scale(loss * weight).backward()
             pass_loss += loss.item() * weight
             if last:  # report the last pass

@@ -76,7 +76,7 @@ stages_py() {  # stages_py STAGE ARGS...: a stage's python, kept in the package 
   python -m minigrpo.bench.gpu_stages "$@"
 }
 preset_flags() {  # preset_flags PRESET: the preset's settings as flags, for a random model passed as a folder
-  python -c "import sys; from minigrpo.config import PRESETS; p = PRESETS[sys.argv[1]]
+  python -c "import sys; from minigrpo.presets import PRESETS; p = PRESETS[sys.argv[1]]
 print(f'--max-new-tokens {p.max_new_tokens} --num-generations {p.num_generations} --prompts-per-step '
       f'{p.prompts_per_step} --lora-rank {p.lora_rank} --learning-rate {p.learning_rate}')" "$1"
 }

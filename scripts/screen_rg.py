@@ -55,7 +55,8 @@ def screen(items, prompts: int, max_new_tokens: int, out: Path) -> None:
     """items: (generator, its options, the prompt's label in PROMPTS), each measured once."""
     from minigrpo.evaluate import Evaluator
     from minigrpo.generate.hf import HFGenerator
-    from minigrpo.model import load_trained, seed_everything
+    from minigrpo.model import seed_everything
+    from minigrpo.trained import load_trained
     from minigrpo.tasks import get_task
 
     policy, tokenizer, cfg = load_trained(None, "smollm2-135m", max_new_tokens=max_new_tokens, eval_prompts=prompts,
@@ -67,7 +68,7 @@ def screen(items, prompts: int, max_new_tokens: int, out: Path) -> None:
         start = time.perf_counter()
         try:
             task = get_task(spec)
-            evaluator = Evaluator(cfg, task, task.weights, tokenizer, generator, None)
+            evaluator = Evaluator(cfg, task, tokenizer, generator, None)
             result = evaluator(0, with_samples=False)
         except Exception as error:  # a generator this version lacks or refuses: said, and the screen goes on
             print(f"{spec}: not measured: {error}", flush=True)

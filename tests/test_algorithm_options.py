@@ -58,22 +58,22 @@ def test_the_kl_estimators_and_the_entropy_bonus_change_the_loss():
     torch.manual_seed(0)
     logps = torch.randn(2, 3, requires_grad=True)
     ref, adv, mask = torch.randn(2, 3), torch.tensor([1.0, -1.0]), torch.ones(2, 3, dtype=torch.bool)
-    kls = {k: L.policy_loss(logps, logps.detach(), ref, adv, mask, beta=0.1, kl_estimator=k)[1]["kl"]
+    kls = {k: L.policy_loss(L.Objective(beta=0.1, kl_estimator=k), logps, logps.detach(), ref, adv, mask)[1]["kl"]
            for k in ("k1", "k2", "k3")}
     assert len(set(kls.values())) == 3 and kls["k2"] >= 0 and kls["k3"] >= 0
     entropy = torch.rand(2, 3, requires_grad=True)
-    plain, _ = L.policy_loss(logps, logps.detach(), None, adv, mask)
-    bonus, _ = L.policy_loss(logps, logps.detach(), None, adv, mask, entropy=entropy, entropy_coef=0.5)
+    plain, _ = L.policy_loss(L.Objective(), logps, logps.detach(), None, adv, mask)
+    bonus, _ = L.policy_loss(L.Objective(), logps, logps.detach(), None, adv, mask, entropy=entropy, entropy_coef=0.5)
     assert bonus.item() == pytest.approx(plain.item() - 0.5 * entropy.mean().item(), abs=1e-6)
     bonus.backward()
     assert entropy.grad is not None and torch.all(entropy.grad < 0)  # more entropy, lower loss
 
 
 def test_every_knob_is_refused_with_its_fix_when_out_of_range(tmp_path):
-    for flags, says in [(["--advantage", "ppo"], "advantage must be grpo, rloo or maxrl"),
-                        (["--kl-estimator", "k4"], "kl_estimator must be k1, k2 or k3"),
-                        (["--reward-aggregation", "max"], "reward_aggregation must be sum or normalize_then_sum"),
-                        (["--entropy-coef", "-1"], "entropy_coef must be >= 0"),
+    for flags, says in [(["--advantage", "ppo"], "'ppo' is not one of 'grpo', 'rloo', 'maxrl'"),
+                        (["--kl-estimator", "k4"], "'k4' is not one of 'k1', 'k2', 'k3'"),
+                        (["--reward-aggregation", "max"], "'max' is not one of 'sum', 'normalize_then_sum'"),
+                        (["--entropy-coef", "-1"], "'--entropy-coef': Input should be greater than or equal to 0"),
                         (["--reference-adapter", str(tmp_path)], "reference_adapter is the KL's reference: it needs"),
                         (["--init-adapter", str(tmp_path)], "is not an adapter folder")]:
         result = CliRunner().invoke(app, ["train", *flags, "--out", str(tmp_path / "run")])

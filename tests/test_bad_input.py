@@ -150,11 +150,11 @@ def test_the_precheck_warns_on_stand_ins_but_holds_worked_examples_strictly():
         return [1.0 / len(c) for c in completions]  # raises on the empty stand-in
 
     rows = [{"prompt": "p"}]
-    notes = precheck_rewards(Task("t", "", lambda s, seed: rows, [picky]), [1.0], rows)
+    notes = precheck_rewards(Task("t", "", lambda s, seed: rows, [picky]), rows)
     assert len(notes) == 1 and "picky raised ZeroDivisionError" in notes[0]
     with pytest.raises(RewardError, match="picky raised ZeroDivisionError"):
         precheck_rewards(Task("t", "", lambda s, seed: rows, [picky], examples=[{"prompt": "p", "completion": ""}]),
-                         [1.0], rows)
+                         rows)
 
 
 def test_none_shows_as_not_applicable_on_screen(capsys):
@@ -166,10 +166,12 @@ def test_none_shows_as_not_applicable_on_screen(capsys):
 
 # --- settings ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("flag, value", [("--learning-rate", "inf"), ("--beta", "nan"), ("--reward-weight", "nan"),
-                                         ("--temperature", "inf")])
-def test_non_finite_numbers_are_refused(flag, value):
-    one_line_error(*cli("train", flag, value), "must be a finite number", flag)
+@pytest.mark.parametrize("flag, value, says", [("--learning-rate", "inf", "must be a finite number"),
+                                               ("--beta", "nan", "greater than or equal to 0"),  # its bound's check
+                                               ("--reward-weight", "nan", "must be a finite number"),
+                                               ("--temperature", "inf", "must be a finite number")])
+def test_non_finite_numbers_are_refused(flag, value, says):
+    one_line_error(*cli("train", flag, value), says, flag)
 
 
 @pytest.mark.parametrize("flags", [("--dtype", "bfloat16"), ("--4bit",)])

@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from minigrpo.config import TrainConfig
+from minigrpo.errors import SetupError
 from minigrpo.generate import Sampling
 from minigrpo.generate.hf import HFGenerator
 from minigrpo.model import load_policy, load_tokenizer, lora_parameters
-from minigrpo.rollout import Groups, render_prompt
+from minigrpo.rollout import Groups
+from minigrpo.tools import render_prompt
 from minigrpo.generate.sampling import sample
 from minigrpo.scoring import Scores
 
@@ -59,6 +61,7 @@ def test_importance_weights_are_one_when_sampler_and_trainer_are_one_policy_at_t
     """The sampler's own log-probs forced into the loss (as on a card), at top-p 0.7: a sampler renormalises over
     its nucleus, the trainer does not. Put on one footing, the importance weights' mean is 1 and the gap ~0
     (before, both read the nucleus mass: a mean weight near 0.9 and a gap warning every step)."""
+    from minigrpo.loss import Objective
     from minigrpo.update import micro_batches, policy_update
 
     policy, tokenizer = tiny
@@ -73,7 +76,8 @@ def test_importance_weights_are_one_when_sampler_and_trainer_are_one_policy_at_t
                    Scores([0.0] * 16, {}))
     mb = micro_batches(cfg, batch, tokenizer.pad_token_id, policy.device)
     optimizer = torch.optim.SGD(lora_parameters(policy), lr=0.0)
-    update = policy_update(cfg, policy, mb, torch.randn(16), optimizer, torch.amp.GradScaler("cpu", enabled=False))
+    update = policy_update(cfg, Objective.of(cfg), policy, mb, torch.randn(16), optimizer,
+                           torch.amp.GradScaler("cpu", enabled=False))
     tokens = mb.full_mask.sum().item()
     assert abs(update.weight_sum / tokens - 1) < 0.01, update.weight_sum / tokens
     assert update.gap_sum / tokens < 1e-3 and update.gap_max < 1e-2, (update.gap_sum / tokens, update.gap_max)
@@ -137,7 +141,8 @@ def test_float16_is_judged_on_the_trainer_before_any_engine_starts(monkeypatch, 
                                     HFGenerator(model, tokenizer)))
     broken = overflowing_copy(tiny_model_path, tmp_path / "broken")
     said = []
-    loaded = startup.load_for_training(TrainConfig(model=broken, generator="vllm", load_in_4bit=False), said.append)
+    loaded = startup.load_for_training(
+        startup.prepare(TrainConfig(model=broken, generator="vllm", load_in_4bit=False), said.append), said.append)
     assert loaded.dtype == torch.float32 and started == [torch.float32], started
     assert any("float16 is not safe" in line for line in said), said
 
@@ -237,7 +242,7 @@ def test_the_plan_counts_the_evaluations_decode_and_the_state_kept_through_train
     (about 5 GB of cache where a training rollout's 16 rows take 1.2, and their prefill), and the sampled one 256;
     the plan counts them, and where they cannot fit, names the flag that makes them fit."""
     from minigrpo.cli.machine import plans_for
-    from minigrpo.config import preset_shape
+    from minigrpo.presets import preset_shape
     from minigrpo.plan import StepMemory
 
     def plan(**settings):
@@ -353,7 +358,7 @@ def test_expandable_segments_are_named_before_an_old_vllm_starts(monkeypatch, ti
                                        said.append)
     assert isinstance(generator, HFGenerator) and not started
     assert any("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in line for line in said), said
-    with pytest.raises(startup.SetupError, match="expandable segments"):
+    with pytest.raises(SetupError, match="expandable segments"):
         startup.make_generator(TrainConfig(generator="vllm"), policy, tokenizer, plan, torch.float32, said.append)
     monkeypatch.setattr(startup, "versions", lambda: {"vllm": "0.32.0"})
     startup.make_generator(TrainConfig(generator="vllm"), policy, tokenizer, plan, torch.float32, said.append)

@@ -122,3 +122,20 @@ def test_the_design_map_names_every_module_once():
     assert sorted(p for p in listed if p.endswith(".py") and not p.startswith("scripts/")) == sorted(
         p for p in modules if not p.endswith("rewards/__init__.py")), set(listed) ^ modules
     assert all((ROOT / p.rstrip("/")).exists() for p in listed), [p for p in listed if not (ROOT / p.rstrip("/")).exists()]
+
+
+OTHER_PROGRAMS = {"--durations"}  # pytest's, named in docs/speed.md
+
+
+def test_every_flag_the_docs_name_alone_is_an_option_of_a_command():
+    """A flag in prose (`--max-bad-steps`) names an option some command has; the renamed and guessed spellings the
+    command line answers (`--lr`) are told as such. Flags inside a command line are test_every_documented_command's."""
+    from minigrpo.cli.app import CALLED, RENAMED
+    from minigrpo.cli.reference import commands
+
+    known = {opt for _, command in commands(typer.main.get_command(app)) for p in command.params
+             if p.param_type_name == "option" for opt in [*p.opts, *p.secondary_opts]}
+    allowed = known | set(CALLED) | set(RENAMED) | OTHER_PROGRAMS | {"--help"}
+    named = {(page.name, flag) for page in PAGES for span in re.findall(r"`(--[^`\s]+)", FENCE.sub("", page.read_text()))
+             for flag in [span.split("=")[0].split("/")[0]]}
+    assert not {(page, flag) for page, flag in named if flag not in allowed}

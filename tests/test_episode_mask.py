@@ -48,8 +48,8 @@ def lora_grads(policy, batch: Groups, pad_id: int) -> tuple[list[torch.Tensor], 
         with torch.no_grad(), policy.disable_adapter():
             ref = token_logprobs(policy, input_ids, attention, n)
         logps.retain_grad()
-        loss, _ = L.policy_loss(logps, logps.detach(), ref, torch.tensor([1.0, -1.0]), mask, beta=CFG.beta,
-                                sampler_logps=mb.sampler[c, :n], tis_cap=CFG.tis_cap)
+        loss, _ = L.policy_loss(L.Objective.of(CFG), logps, logps.detach(), ref, torch.tensor([1.0, -1.0]), mask,
+                                sampler_logps=mb.sampler[c, :n])
         loss.backward()
         per_logp.append(logps.grad)
     return [p.grad.clone() for p in lora_parameters(policy)], per_logp

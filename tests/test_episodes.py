@@ -146,8 +146,10 @@ def test_a_step_trains_on_episodes_and_counts_only_the_models_tokens(tiny_model_
     replies: the tiny model does not call tools by itself)."""
     from minigrpo.config import TrainConfig
     from minigrpo.model import load_policy, lora_parameters
-    from minigrpo.rollout import PromptPool, collect
+    from minigrpo.rollout import collect
+    from minigrpo.state import PromptPool, RunState
     from minigrpo.tasks import get_task
+    from minigrpo.loss import Objective
     from minigrpo.update import micro_batches, policy_update
 
     (tmp_path / "sums.py").write_text(TASK_FILE)
@@ -155,7 +157,8 @@ def test_a_step_trains_on_episodes_and_counts_only_the_models_tokens(tiny_model_
     cfg = TrainConfig(task=str(tmp_path / "sums.py"), num_generations=2, prompts_per_step=2, max_new_tokens=64,
                       max_episode_tokens=256, micro_batch_size=2)
     model = Scripted(tokenizer, [CALL, "It is 42.", "It is 42."])
-    batch, info = collect(cfg, tokenizer, model, task, [1.0], PromptPool(task.make_data("train", 0), seed=0))
+    run = RunState(None, tokenizer, model, None, None, None, PromptPool(task.make_data("train", 0), seed=0), None)
+    batch, info = collect(cfg, run, task)
     assert info["episode/turns"] == 2 and info["episode/tool_calls"] == 1 and info["episode/tool_errors"] == 0
     assert info["tokens_generated"] == sum(map(sum, batch.model_masks)) < sum(map(len, batch.completion_ids))
     assert all(c[1] == {"role": "tool", "name": "add", "content": "42"} for c in batch.completions)
@@ -167,7 +170,8 @@ def test_a_step_trains_on_episodes_and_counts_only_the_models_tokens(tiny_model_
     # every row's episode is the same script, so opposite advantages within a group would cancel exactly
     rewards = torch.tensor([0.0, 1.0, 1.0, 1.0])
     before = [p.detach().clone() for p in lora_parameters(policy)]
-    update = policy_update(cfg, policy, mb, rewards - 0.5, optimizer, torch.amp.GradScaler("cpu", enabled=False))
+    update = policy_update(cfg, Objective.of(cfg), policy, mb, rewards - 0.5, optimizer,
+                           torch.amp.GradScaler("cpu", enabled=False))
     assert update.grad_norm > 0 and any(not torch.equal(a, b) for a, b in zip(before, lora_parameters(policy)))
 
 
@@ -259,7 +263,7 @@ def test_an_environment_per_episode_its_methods_as_tools_and_its_own_reward(toke
     cfg = TrainConfig(task=str(tmp_path / "game.py"), num_generations=2, max_new_tokens=64, max_episode_tokens=400)
     rows = [{"prompt": "I picked a number from 1 to 9.", "secret": 7}]
     model = Scripted(tokenizer, [guess(5), guess(7), "Found it: 7."])
-    batch = rollout(cfg, tokenizer, model, task, task.weights, rows)
+    batch = rollout(cfg, tokenizer, model, task, rows)
     first_prompt = tokenizer.decode(model.asked[0][0][0])
     assert "I picked a number from 1 to 9. Find it with the guess tool." in first_prompt and '"guess"' in first_prompt
     for episode in batch.completions:
@@ -267,7 +271,7 @@ def test_an_environment_per_episode_its_methods_as_tools_and_its_own_reward(toke
     assert batch.scores.totals == [1.0, 1.0] and batch.episode_stats["tool_calls"] == 4
     # each episode had its own instance: its tries were its own
     model = Scripted(tokenizer, [guess(5), "I give up."])
-    assert rollout(cfg, tokenizer, model, task, task.weights, rows).scores.totals == [0.0, 0.0]
+    assert rollout(cfg, tokenizer, model, task, rows).scores.totals == [0.0, 0.0]
 
 
 def test_resets_that_disagree_within_a_group_are_refused(tokenizer, tmp_path):
@@ -280,12 +284,12 @@ def test_resets_that_disagree_within_a_group_are_refused(tokenizer, tmp_path):
     task = get_task(str(tmp_path / "game.py"))
     cfg = TrainConfig(task=str(tmp_path / "game.py"), num_generations=2, max_new_tokens=16)
     with pytest.raises(ValueError, match="returned different text for one row"):
-        rollout(cfg, tokenizer, Scripted(tokenizer, ["x"]), task, task.weights, [{"prompt": "p", "secret": 1}])
+        rollout(cfg, tokenizer, Scripted(tokenizer, ["x"]), task, [{"prompt": "p", "secret": 1}])
     (tmp_path / "broken.py").write_text(GAME_FILE.replace("self.secret, self.tries, self.solved = secret, 0, False",
                                                           "self.secret = 1 / 0"))
     task = get_task(str(tmp_path / "broken.py"))
     with pytest.raises(ValueError, match="reset raised ZeroDivisionError"):
-        rollout(cfg, tokenizer, Scripted(tokenizer, ["x"]), task, task.weights, [{"prompt": "p", "secret": 1}])
+        rollout(cfg, tokenizer, Scripted(tokenizer, ["x"]), task, [{"prompt": "p", "secret": 1}])
 
 
 def test_train_end_to_end_in_an_environment(tmp_path):
@@ -329,14 +333,14 @@ class Hint:
 
 def test_an_environment_that_talks_answers_as_the_user(tokenizer):
     from minigrpo.config import TrainConfig
-    from minigrpo.episodes import environment_reward
+    from minigrpo.tools import environment_reward
     from minigrpo.rollout import rollout
     from minigrpo.tasks import Task
 
     task = Task("hint", "", lambda split, seed: [], [environment_reward(Hint)], environment=Hint)
     cfg = TrainConfig(num_generations=2, max_new_tokens=16, max_turns=4, max_episode_tokens=200)
     rows = [{"prompt": "Guess my number, 1 to 9.", "secret": 7}]
-    batch = rollout(cfg, tokenizer, Scripted(tokenizer, ["5", "8", "It is 7."]), task, [1.0], rows)
+    batch = rollout(cfg, tokenizer, Scripted(tokenizer, ["5", "8", "It is 7."]), task, rows)
     episode = batch.completions[0]
     assert [(m["role"], m["content"]) for m in episode] == [
         ("assistant", "5"), ("user", "Higher."), ("assistant", "8"), ("user", "Lower."), ("assistant", "It is 7.")]
@@ -346,7 +350,7 @@ def test_an_environment_that_talks_answers_as_the_user(tokenizer):
     assert "Higher." in user_text and "Lower." in user_text and "It is 7" not in user_text
     # at the turn limit the game is cut, unsolved
     cfg = TrainConfig(num_generations=2, max_new_tokens=16, max_turns=2, max_episode_tokens=200)
-    batch = rollout(cfg, tokenizer, Scripted(tokenizer, ["5", "8", "It is 7."]), task, [1.0], rows)
+    batch = rollout(cfg, tokenizer, Scripted(tokenizer, ["5", "8", "It is 7."]), task, rows)
     assert batch.scores.totals == [0.0, 0.0] and batch.truncated == [True, True]
 
 
@@ -357,7 +361,7 @@ def test_the_built_in_episode_tasks_check_out(name):
 
     task = get_task(name)
     assert task.examples and check_examples(task) == []
-    assert precheck_rewards(task, task.weights, task.make_data("train", 0)) == []
+    assert precheck_rewards(task, task.make_data("train", 0)) == []
     assert task.make_data("test", 0) and task.make_data("test", 0) != task.make_data("train", 0)[:64]
 
 

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from minigrpo.generate import Sampling
 from minigrpo.generate.hf import decode, sample
-from minigrpo.rollout import render_prompt
+from minigrpo.tools import render_prompt
 
 
 def test_the_sampler_draws_from_the_tempered_nucleus():

@@ -15,7 +15,9 @@ from typer.testing import CliRunner
 
 from minigrpo import hardware
 from minigrpo.cli.app import app
-from minigrpo.config import PRESETS, TrainConfig, preset_shape
+from minigrpo.config import TrainConfig
+from minigrpo.errors import SetupError
+from minigrpo.presets import PRESETS, preset_shape
 from minigrpo.hardware import CARDS, Gpu, compute_dtype, vllm_requirement, vllm_supported
 from minigrpo.plan import Settings, Sizes, make_plan
 
@@ -282,7 +284,7 @@ def test_an_engine_that_cannot_start_gives_way_to_transformers_with_auto(monkeyp
     generator = startup.make_generator(cfg, policy, _tokenizer(tiny_model_path), plan, torch.float32, said.append)
     assert isinstance(generator, HFGenerator)
     assert len(said) == 1 and "no kernel image" in said[0] and "transformers" in said[0]
-    with pytest.raises(startup.SetupError, match="--generator hf"):
+    with pytest.raises(SetupError, match="--generator hf"):
         startup.make_generator(TrainConfig(generator="vllm"), policy, _tokenizer(tiny_model_path), plan,
                                torch.float32, said.append)
 
@@ -329,7 +331,7 @@ def test_a_run_that_cannot_fit_stops_before_anything_loads(monkeypatch, tiny_mod
     monkeypatch.setattr(startup, "this_gpu", lambda: Gpu("a 0.5 GB card", (8, 6), 0.5))
     monkeypatch.setattr(startup, "load_policy", lambda *a, **k: pytest.fail("loaded a model that cannot fit"))
     with pytest.raises(ValueError, match="does not fit a 0.5 GB card"):
-        startup.load_for_training(TrainConfig(output_dir=str(tmp_path)), print)
+        startup.load_for_training(startup.prepare(TrainConfig(output_dir=str(tmp_path))), print)
 
 
 # --- 7. smaller ones ---
@@ -357,7 +359,7 @@ def test_transformers_samples_exactly_from_the_policy(tiny_model_path, policy):
     from minigrpo.generate import Sampling
     from minigrpo.generate.hf import HFGenerator
     from minigrpo.logprobs import pad_batch, token_logprobs
-    from minigrpo.rollout import render_prompt
+    from minigrpo.tools import render_prompt
 
     tokenizer = _tokenizer(tiny_model_path)
     policy.get_base_model().generation_config.repetition_penalty = 1.8
@@ -393,12 +395,13 @@ def test_float16_overflow_falls_back_to_float32(monkeypatch, tiny_model_path, tm
     monkeypatch.setattr(startup, "this_gpu", lambda: CARDS["t4"])  # a T4's facts: float16 is chosen
     broken = overflowing_copy(tiny_model_path, tmp_path / "broken")
     said = []
-    loaded = startup.load_for_training(TrainConfig(model=broken, generator="hf", load_in_4bit=False), said.append)
+    loaded = startup.load_for_training(
+        startup.prepare(TrainConfig(model=broken, generator="hf", load_in_4bit=False), said.append), said.append)
     assert loaded.dtype == torch.float32
     assert any("float16 is not safe" in line and "non-finite" in line for line in said), said
     with pytest.raises(ValueError, match="--dtype float32"):
-        startup.load_for_training(TrainConfig(model=broken, generator="hf", load_in_4bit=False, dtype="float16"),
-                                  said.append)
+        cfg = TrainConfig(model=broken, generator="hf", load_in_4bit=False, dtype="float16")
+        startup.load_for_training(startup.prepare(cfg, said.append), said.append)
 
 
 def test_a_healthy_model_keeps_float16(monkeypatch, tiny_model_path):
@@ -406,7 +409,8 @@ def test_a_healthy_model_keeps_float16(monkeypatch, tiny_model_path):
 
     monkeypatch.setattr(startup, "this_gpu", lambda: CARDS["t4"])
     said = []
-    loaded = startup.load_for_training(TrainConfig(generator="hf", load_in_4bit=False), said.append)
+    loaded = startup.load_for_training(startup.prepare(TrainConfig(generator="hf", load_in_4bit=False), said.append),
+                                       said.append)
     assert loaded.dtype == torch.float16 and not any("not safe" in line for line in said)
 
 
@@ -422,7 +426,7 @@ def test_float16_training_uses_a_gradient_scaler(tmp_path):
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(m["grad_scale"] > 0 and "skipped_overflow" in m for m in metrics)
     state = torch.load(out / "checkpoints" / "step-000002" / "state.pt", weights_only=False)
-    assert state["scaler"]["scale"] == metrics[-1]["grad_scale"]
+    assert state["state"]["scaler"]["scale"] == metrics[-1]["grad_scale"]
 
 
 # --- the commands ---

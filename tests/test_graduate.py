@@ -150,7 +150,9 @@ def test_each_loss_preset_gives_trls_loss_and_gradient(trl_trainer, loss, beta, 
     the settings `graduate` maps the preset to: the same loss and the same gradient as ours."""
     import torch
 
-    from minigrpo.loss import advantages, policy_loss
+    import dataclasses
+
+    from minigrpo.loss import Objective, advantages, policy_loss
 
     cfg = TrainConfig(loss=loss, beta=beta, top_entropy_quantile=quantile, epsilon_high=None if loss in ("gspo", "cispo")
                       else 0.28, num_generations=2, prompts_per_step=2, max_new_tokens=6)
@@ -184,9 +186,8 @@ def test_each_loss_preset_gives_trls_loss_and_gradient(trl_trainer, loss, beta, 
         from minigrpo.loss import high_entropy
 
         selected = high_entropy(entropy, mask, quantile)
-    ours, _ = policy_loss(logps, old, ref, adv, mask, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=beta,
-                          aggregation=cfg.loss_aggregation, max_tokens=6, importance_sampling=cfg.importance_sampling,
-                          surrogate=cfg.surrogate, selected=selected)
+    objective = dataclasses.replace(Objective.of(cfg), beta=beta, max_tokens=6, tis_cap=0.0)
+    ours, _ = policy_loss(objective, logps, old, ref, adv, mask, selected=selected)
     (grad_ours,) = torch.autograd.grad(ours, logps)
     assert torch.allclose(ours, theirs, atol=1e-6), (ours.item(), theirs.item())
     assert torch.allclose(grad_ours, grad_theirs, atol=1e-6)

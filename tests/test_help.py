@@ -38,7 +38,7 @@ def test_help_shows_every_default(path, command):
 
 def test_models_fits_an_80_column_terminal():
     """Each preset's hub id (to copy) and sizes whole, on a terminal of 80 columns."""
-    from minigrpo.config import PRESETS
+    from minigrpo.presets import PRESETS
 
     result = CliRunner().invoke(app, ["models"], env={"COLUMNS": "80"})
     assert result.exit_code == 0, result.output
@@ -50,28 +50,34 @@ def test_models_fits_an_80_column_terminal():
         assert f"{preset.num_generations} x {preset.prompts_per_step}, {preset.max_new_tokens}" in row, row
 
 
-def test_every_default_of_train_is_the_configs():
-    """Each of train's options named after a TrainConfig field starts from that field's default: the same value, or
-    None (the run's own on --resume and --fork) with the field's default shown in its help. A default stated twice
-    may drift apart; this fails when it does."""
+def test_each_setting_is_stated_once():
+    """Every TrainConfig field is an option of train built from the field (its default and help), or says why no
+    flag sets it; and a choice's allowed values are listed in config.py alone (its Literal), in no other file's
+    code or text."""
     import dataclasses
+    from pathlib import Path
+    from typing import Literal, get_args
 
-    from minigrpo.config import TrainConfig
+    import minigrpo.config as config
 
-    path, command = ("train",), COMMAND.commands["train"]
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    ctx, drifted = click.Context(command, info_name=path[-1]), []
-    for param in command.params:
-        field = fields.get(param.name)
-        if field is None or field.default is dataclasses.MISSING or getattr(param, "param_type_name", "") != "option":
+    options = {p.name: p for p in COMMAND.commands["train"].params}
+    for f in dataclasses.fields(config.TrainConfig):
+        if "help" not in f.metadata:
+            assert f.metadata.get("why") and f.name not in options, f.name  # Python-only, on purpose
             continue
-        if param.default is None and field.default is not None:
-            described = param.get_help_record(ctx)[1]
-            if f"[default: {field.default}" not in described.replace("'", ""):
-                drifted.append(f"{param.opts[0]}: None, and its help does not show {field.default!r}: {described}")
-        elif param.default != field.default and param.required is False:
-            drifted.append(f"{param.opts[0]}: {param.default!r}, the config's {field.default!r}")
-    assert not drifted, drifted
+        default = [] if f.default_factory is list else None if f.name == "task" else f.default
+        given = options[f.name].default
+        assert (list(given) if isinstance(given, tuple) else given) == default, f.name
+        assert options[f.name].help.startswith(f.metadata["help"]), f.name
+
+    kinds = [get_args(v) for v in vars(config).values() if getattr(v, "__origin__", None) is Literal]
+    root = Path(config.__file__).parent
+    for path in [p for p in root.rglob("*.py") if p.name != "config.py"] + [*root.parent.glob("docs/*.md")]:
+        text = path.read_text()
+        for values in (v for v in kinds if len(v) > 2):
+            listed = [", ".join(values[:-1]) + f" or {values[-1]}", " | ".join(values),
+                      ", ".join(f'"{v}"' for v in values)]
+            assert not any(way in text for way in listed), (path.name, values)
 
 
 def test_one_thing_has_one_flag_in_every_command():
@@ -90,7 +96,8 @@ def test_one_thing_has_one_flag_in_every_command():
                 spellings.setdefault(meaning, set()).add(param.opts[0])
                 assert param.opts[0] not in RENAMED, (path, param.opts)
     assert not {m: s for m, s in spellings.items() if len(s) > 1}, {m: s for m, s in spellings.items() if len(s) > 1}
-    assert {spellings[m].pop() for m in ("run folder", "completions per prompt")} == {"--out", "--num-generations"}
+    assert {spellings[m].pop() for m in ("run folder", "completions per prompt (g); a group of one has no spread")} \
+        == {"--out", "--num-generations"}
 
     done = subprocess.run([sys.executable, "-m", "minigrpo.cli", "train", "--output-dir=runs/x"], capture_output=True,
                           text=True, timeout=120)

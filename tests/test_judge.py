@@ -227,7 +227,7 @@ def test_the_haiku_task_is_judged_by_the_base_model(tmp_path):
     from minigrpo.tasks import get_task
 
     task = get_task("haiku")
-    assert task.rewards[0].__name__ == "haiku_judge" and precheck_rewards(task, task.weights, []) == []
+    assert task.rewards[0].__name__ == "haiku_judge" and precheck_rewards(task, []) == []
     assert set(r["prompt"] for r in task.make_data("test", 0)).isdisjoint(r["prompt"] for r in task.make_data("train", 0))
     with pytest.raises(J.JudgeUnavailable):
         task.rewards[0](["Write a haiku about fog."], ["Grey fog on the hill\nthe bus lights fade one by one\nthen only the sound"])

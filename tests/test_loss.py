@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from minigrpo.loss import advantages, groups_with_spread, microbatch_weight, policy_loss
+from minigrpo.loss import Objective, advantages, groups_with_spread, microbatch_weight, policy_loss
 
 
 def test_advantages_are_standardised_within_each_group():
@@ -41,7 +41,7 @@ def _inputs(B=3, T=5, seed=0):
 
 def test_zero_advantage_gives_zero_policy_gradient():
     logps, old, ref, _, mask = _inputs()
-    loss, _ = policy_loss(logps, old, ref, torch.zeros(3), mask, beta=0.0)
+    loss, _ = policy_loss(Objective(beta=0.0), logps, old, ref, torch.zeros(3), mask)
     loss.backward()
     assert loss.item() == 0.0
     assert torch.count_nonzero(logps.grad) == 0
@@ -51,7 +51,7 @@ def test_clipping_engages_beyond_epsilon():
     logps = torch.zeros(1, 4, requires_grad=True)
     old = torch.log(torch.tensor([[1 / 1.5, 1 / 1.1, 1 / 0.9, 1 / 0.5]]))  # ratios 1.5, 1.1, 0.9, 0.5
     mask = torch.ones(1, 4, dtype=torch.bool)
-    loss, m = policy_loss(logps, old, None, torch.tensor([1.0]), mask, epsilon=0.2)
+    loss, m = policy_loss(Objective(epsilon=0.2), logps, old, None, torch.tensor([1.0]), mask)
     loss.backward()
     # positive advantage: the ratio above 1.2 is clipped (no gradient), the ones inside are not,
     # and the ratio below 0.8 keeps its gradient (min picks the unclipped, lower value)
@@ -59,7 +59,7 @@ def test_clipping_engages_beyond_epsilon():
     assert (logps.grad[0, 1:] != 0).all()
     assert m["clip_frac"] == pytest.approx(0.25)
     logps.grad = None
-    loss, m = policy_loss(logps, old, None, torch.tensor([-1.0]), mask, epsilon=0.2)
+    loss, m = policy_loss(Objective(epsilon=0.2), logps, old, None, torch.tensor([-1.0]), mask)
     loss.backward()
     assert logps.grad[0, 3] == 0 and (logps.grad[0, :3] != 0).all()
     assert m["clip_frac"] == pytest.approx(0.25)
@@ -69,17 +69,18 @@ def test_clip_higher_widens_only_the_upper_side():
     logps = torch.zeros(1, 1, requires_grad=True)
     old = torch.log(torch.tensor([[1 / 1.25]]))  # ratio 1.25
     mask = torch.ones(1, 1, dtype=torch.bool)
-    _, clipped = policy_loss(logps, old, None, torch.tensor([1.0]), mask, epsilon=0.2)
-    _, unclipped = policy_loss(logps, old, None, torch.tensor([1.0]), mask, epsilon=0.2, epsilon_high=0.28)
+    _, clipped = policy_loss(Objective(epsilon=0.2), logps, old, None, torch.tensor([1.0]), mask)
+    _, unclipped = policy_loss(Objective(epsilon=0.2, epsilon_high=0.28), logps, old, None, torch.tensor([1.0]),
+                               mask)
     assert clipped["clip_frac"] == 1.0 and unclipped["clip_frac"] == 0.0
 
 
 def test_masked_tokens_do_not_count():
     logps, old, ref, adv, mask = _inputs()
-    loss_a, _ = policy_loss(logps, old, ref, adv, mask, beta=0.1)
+    loss_a, _ = policy_loss(Objective(beta=0.1), logps, old, ref, adv, mask)
     garbage = logps.detach().clone()
     garbage[0, 3:] = 123.0  # only masked positions change
-    loss_b, _ = policy_loss(garbage.requires_grad_(True), old, ref, adv, mask, beta=0.1)
+    loss_b, _ = policy_loss(Objective(beta=0.1), garbage.requires_grad_(True), old, ref, adv, mask)
     assert torch.allclose(loss_a, loss_b)
     loss_a.backward()
     assert torch.count_nonzero(logps.grad[0, 3:]) == 0
@@ -87,11 +88,11 @@ def test_masked_tokens_do_not_count():
 
 def test_kl_is_zero_when_policy_equals_reference():
     logps, old, _, adv, mask = _inputs()
-    with_kl, m = policy_loss(logps, old, logps.detach(), adv, mask, beta=0.5)
-    without, _ = policy_loss(logps, old, None, adv, mask, beta=0.0)
+    with_kl, m = policy_loss(Objective(beta=0.5), logps, old, logps.detach(), adv, mask)
+    without, _ = policy_loss(Objective(beta=0.0), logps, old, None, adv, mask)
     assert m["kl"] == 0.0
     assert torch.allclose(with_kl, without)
-    _, m = policy_loss(logps, old, logps.detach() - 0.5, adv, mask, beta=0.5)
+    _, m = policy_loss(Objective(beta=0.5), logps, old, logps.detach() - 0.5, adv, mask)
     assert m["kl"] > 0
 
 
@@ -100,17 +101,17 @@ def test_microbatches_add_up_to_the_whole_batch(aggregation):
     logps, old, ref, adv, mask = _inputs(B=4, T=6, seed=3)
     mask[2, 1:] = False
     kwargs = dict(beta=0.1, aggregation=aggregation, max_tokens=8)
-    whole, _ = policy_loss(logps, old, ref, adv, mask, **kwargs)
+    whole, _ = policy_loss(Objective(**kwargs), logps, old, ref, adv, mask)
     parts = 0
     for rows in (slice(0, 1), slice(1, 4)):
-        loss, _ = policy_loss(logps[rows], old[rows], ref[rows], adv[rows], mask[rows], **kwargs)
+        loss, _ = policy_loss(Objective(**kwargs), logps[rows], old[rows], ref[rows], adv[rows], mask[rows])
         parts = parts + loss * microbatch_weight(mask[rows], mask, aggregation)
     assert torch.allclose(whole, parts)
 
 
 # an independent, deliberately plain implementation of every preset: loops over rows and tokens
 def reference_loss(logps, old, ref, rewards, mask, group_size, preset, epsilon, epsilon_high, beta, max_tokens):
-    from minigrpo.loss import PRESETS
+    from minigrpo.config import LOSS_PRESETS as PRESETS
 
     knobs = PRESETS[preset]
     scale, aggregation = knobs["scale_rewards"], knobs["loss_aggregation"]
@@ -158,7 +159,7 @@ def reference_loss(logps, old, ref, rewards, mask, group_size, preset, epsilon, 
 @pytest.mark.parametrize("preset", ["grpo", "dr_grpo", "dapo", "bnpo", "gspo", "cispo"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_every_preset_matches_an_independent_implementation(preset, beta):
-    from minigrpo.loss import PRESETS
+    from minigrpo.config import LOSS_PRESETS as PRESETS
 
     g = torch.Generator().manual_seed(7)
     B, T, G = 6, 7, 3
@@ -170,9 +171,9 @@ def test_every_preset_matches_an_independent_implementation(preset, beta):
     mask[:, 0] = True
     knobs = PRESETS[preset]
     adv = advantages(rewards, G, knobs["scale_rewards"])
-    ours, _ = policy_loss(logps, old, ref, adv, mask, epsilon=0.2, epsilon_high=0.28, beta=beta,
-                          aggregation=knobs["loss_aggregation"], max_tokens=10,
-                          importance_sampling=knobs["importance_sampling"], surrogate=knobs["surrogate"])
+    objective = Objective(epsilon=0.2, epsilon_high=0.28, beta=beta, aggregation=knobs["loss_aggregation"],
+                          max_tokens=10, importance_sampling=knobs["importance_sampling"], surrogate=knobs["surrogate"])
+    ours, _ = policy_loss(objective, logps, old, ref, adv, mask)
     (grad_ours,) = torch.autograd.grad(ours, logps)
     theirs = reference_loss(logps, old, ref, rewards, mask, G, preset, 0.2, 0.28, beta, 10)
     (grad_theirs,) = torch.autograd.grad(theirs, logps)
@@ -185,8 +186,8 @@ def test_truncated_importance_sampling_weights_and_caps():
     logps = torch.zeros(1, 3, requires_grad=True)
     sampler = torch.log(torch.tensor([[0.5, 1.0, 4.0]]))  # trainer/sampler ratios 2, 1, 0.25
     mask = torch.ones(1, 3, dtype=torch.bool)
-    loss, _ = policy_loss(logps, logps.detach(), None, torch.tensor([1.0]), mask, aggregation="token",
-                          sampler_logps=sampler, tis_cap=1.5)
+    loss, _ = policy_loss(Objective(aggregation="token", tis_cap=1.5), logps, logps.detach(), None, torch.tensor([1.0]),
+                          mask, sampler_logps=sampler)
     (grad,) = torch.autograd.grad(loss, logps)
     # d/dlogp of -ratio * A * w at ratio 1 is -w/3 per token, w = min(ratio, cap)
     assert torch.allclose(grad, -torch.tensor([[1.5, 1.0, 0.25]]) / 3)
@@ -198,9 +199,9 @@ def test_sequence_ratios_clip_a_completion_as_a_whole():
     logps = torch.zeros(1, 2, requires_grad=True)
     old = torch.log(torch.tensor([[1 / 1.5, 1.5]]))
     mask = torch.ones(1, 2, dtype=torch.bool)
-    _, token = policy_loss(logps, old, None, torch.tensor([1.0]), mask, epsilon=0.2)
-    loss, sequence = policy_loss(logps, old, None, torch.tensor([1.0]), mask, epsilon=0.2,
-                                 importance_sampling="sequence")
+    _, token = policy_loss(Objective(epsilon=0.2), logps, old, None, torch.tensor([1.0]), mask)
+    loss, sequence = policy_loss(Objective(epsilon=0.2, importance_sampling="sequence"), logps, old, None,
+                                 torch.tensor([1.0]), mask)
     assert token["clip_frac"] == 0.5 and sequence["clip_frac"] == 0.0
     assert sequence["ratio/mean"] == pytest.approx(1.0)
     (grad,) = torch.autograd.grad(loss, logps)
@@ -211,11 +212,11 @@ def test_cispo_keeps_the_gradient_of_capped_tokens():
     logps = torch.zeros(1, 2, requires_grad=True)
     old = torch.log(torch.tensor([[1 / 3.0, 1.0]]))  # ratios 3 and 1; cap 1 + 1.0 = 2
     mask = torch.ones(1, 2, dtype=torch.bool)
-    ppo, _ = policy_loss(logps, old, None, torch.tensor([1.0]), mask, epsilon=0.2, epsilon_high=1.0,
-                         aggregation="token")
+    ppo, _ = policy_loss(Objective(epsilon=0.2, epsilon_high=1.0, aggregation="token"), logps, old, None,
+                         torch.tensor([1.0]), mask)
     (ppo_grad,) = torch.autograd.grad(ppo, logps)
-    cispo, m = policy_loss(logps, old, None, torch.tensor([1.0]), mask, epsilon=0.2, epsilon_high=1.0,
-                           aggregation="token", surrogate="cispo")
+    cispo, m = policy_loss(Objective(epsilon=0.2, epsilon_high=1.0, aggregation="token", surrogate="cispo"), logps,
+                           old, None, torch.tensor([1.0]), mask)
     (grad,) = torch.autograd.grad(cispo, logps)
     assert ppo_grad[0, 0] == 0  # ppo drops the clipped token
     assert torch.allclose(grad, torch.tensor([[-2.0, -1.0]]) / 2) and m["clip_frac"] == 0.5
@@ -230,15 +231,16 @@ def test_entropy_selection_trains_only_the_chosen_tokens():
     chosen = high_entropy(entropy, mask, 0.2)
     assert chosen.sum() == round(0.2 * mask.sum().item()) and not (chosen & ~mask).any()
     assert entropy[chosen].min() >= entropy[mask & ~chosen].max()
-    loss, _ = policy_loss(logps, old, None, adv, mask, aggregation="token", selected=chosen)
+    loss, _ = policy_loss(Objective(aggregation="token"), logps, old, None, adv, mask, selected=chosen)
     (grad,) = torch.autograd.grad(loss, logps)
     assert (grad[~chosen] == 0).all() and (grad[chosen] != 0).all()
     # the normaliser is every masked token: the chosen tokens' gradients are those of the full loss
-    full, _ = policy_loss(logps, old, None, adv, mask, aggregation="token")
+    full, _ = policy_loss(Objective(aggregation="token"), logps, old, None, adv, mask)
     (full_grad,) = torch.autograd.grad(full, logps)
     assert torch.allclose(grad[chosen], full_grad[chosen])
     # the KL still covers every token
-    loss, _ = policy_loss(logps, old, ref, torch.zeros(2), mask, beta=0.1, aggregation="token", selected=chosen)
+    loss, _ = policy_loss(Objective(beta=0.1, aggregation="token"), logps, old, ref, torch.zeros(2), mask,
+                          selected=chosen)
     (grad,) = torch.autograd.grad(loss, logps)
     assert (grad[mask] != 0).all()
 
@@ -255,10 +257,3 @@ def test_gspo_and_cispo_presets_bring_their_own_clip_ranges():
     with pytest.raises(ValueError, match="top_entropy_quantile"):
         TrainConfig(top_entropy_quantile=0.0)
 
-
-def test_each_loss_the_command_line_offers_has_a_preset():
-    """config.Loss states the --loss choices once; loss.PRESETS gives each its knobs."""
-    from minigrpo.config import Loss, choices
-    from minigrpo.loss import PRESETS
-
-    assert set(PRESETS) == set(choices(Loss))

@@ -25,7 +25,8 @@ class Reached(Exception):
 
 
 # where each command's work begins: a model loads, an engine starts, a benchmark's child process runs
-WORK = [("minigrpo.model", "load_base"), ("minigrpo.startup", "load_for_training"), ("minigrpo.train", "load_for_training"),
+WORK = [("minigrpo.model", "load_base"), ("minigrpo.trained", "load_base"), ("minigrpo.startup", "load_for_training"),
+        ("minigrpo.train", "load_for_training"),
         ("minigrpo.bench.decode", "bench_decode"), ("minigrpo.bench.decode", "bench_real"),
         ("minigrpo.bench.steps", "run_child"), ("minigrpo.bench.learn", "train_minigrpo"),
         ("minigrpo.bench.learn", "train_trl"), ("minigrpo.bench.trl", "compare_with_trl"),
@@ -39,7 +40,7 @@ NEEDS = {"graduate": ["run", "--out", "grad"], "export": ["run", "--out", "expor
          "bench tables": ["cards"]}
 # values that name something made (a new folder) or are text, not something read: a missing path may be meant
 NOT_READ = {"--out", "--variant", "PROMPT"}
-SIGNED = {"--reward-weight"}  # a negative weight is a penalty: -1 is meant
+SIGNED = {"--reward-weight", "--solved-reward"}  # rewards may be negative (a penalty): -1 is meant
 
 
 def _stop_work(monkeypatch):

@@ -26,10 +26,10 @@ def test_the_plan_covers_each_part_of_a_step_by_at_most_15_percent(preset, card,
 
 def test_an_evaluations_prefill_runs_a_group_of_prompts_at_a_time(monkeypatch):
     """All 64 held-out prompts in one forward (the decoder before) hold their whole cache and activations at once."""
-    import minigrpo.generate.static as static
+    import minigrpo.memory as memory
 
     grouped = {p.name: p.tracked_gb for p in rehearse("qwen-1.5b", CARDS["t4"])}
-    monkeypatch.setattr(static, "PREFILL_TOKENS", 10**9)
+    monkeypatch.setattr(memory, "PREFILL_TOKENS", 10**9)  # the decoder's and the plan's shape, both
     at_once = {p.name: p.tracked_gb for p in rehearse("qwen-1.5b", CARDS["t4"])}
     key = next(k for k in grouped if k.startswith("prefill for the held-out"))
     assert at_once[key] > 2.5 * grouped[key], (at_once[key], grouped[key])

@@ -125,8 +125,8 @@ def test_nan_updates_are_skipped_then_the_run_stops(tmp_path, monkeypatch):
 @pytest.mark.parametrize("settings, message", [
     (dict(eval_every=50, steps=10), "eval_every=50 is beyond the run's 10 steps"),
     (dict(loss="ppo"), "loss must be grpo, dr_grpo"),
-    (dict(num_generations=1), "num_generations (G) must be at least 2"),
-    (dict(keep=0), "keep at least 1"),
+    (dict(num_generations=1), "num_generations (--num-generations) must be at least 2, not 1"),
+    (dict(keep=0), "keep (--keep) must be at least 1"),
 ])
 def test_impossible_settings_fail_before_anything_loads(settings, message):
     with pytest.raises(ValueError) as error:
@@ -143,3 +143,30 @@ def test_out_of_memory_is_recognised_and_names_the_settings_to_lower():
     for setting in ("--num-generations (now 8)", "--max-new-tokens (now 256)", "--micro-batch-size (now 8)",
                     "--resume", "minigrpo bench model --model smollm2-135m"):
         assert setting in advice
+
+
+def test_a_checkpoint_of_an_earlier_release_loads_each_part():
+    """Before RunState.state_dict, state.pt held the parts at its top level and the entropy control under "extra"."""
+    from minigrpo.checkpoint import _parts_of_an_older_save
+    from minigrpo.state import RunState
+
+    class Part:
+        def __init__(self):
+            self.loaded = None
+
+        def state_dict(self):
+            return {"x": 1}
+
+        def load_state_dict(self, state):
+            self.loaded = state
+
+    parts = {name: Part() for name in ("generator", "optimizer", "scheduler", "prompts", "entropy")}
+    state = RunState(None, None, parts["generator"], parts["optimizer"], parts["scheduler"], Part(), parts["prompts"],
+                     parts["entropy"])
+    older = {"step": 3, "optimizer": {"o": 1}, "scheduler": {"s": 2}, "prompts": {"p": 3}, "generator": None,
+             "scaler": None, "extra": {"entropy": {"e": 4}}}
+    state.load_state_dict(_parts_of_an_older_save(older))
+    assert [parts[n].loaded for n in ("optimizer", "scheduler", "prompts", "entropy")] == [{"o": 1}, {"s": 2}, {"p": 3},
+                                                                                            {"e": 4}]
+    assert parts["generator"].loaded is None and state.scaler.loaded is None
+    assert set(state.state_dict()) == {"generator", "optimizer", "scheduler", "scaler", "prompts", "entropy"}

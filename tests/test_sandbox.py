@@ -383,9 +383,9 @@ def test_a_run_of_the_code_task_says_its_layers_and_refuses_without_them(monkeyp
     assert "--allow-unconfined-code" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "run").exists()  # refused before anything was written
     said = []
-    from minigrpo.tasks import check_sandbox, get_task
+    from minigrpo.tasks import refuse_unconfined_code, get_task
 
-    check_sandbox(get_task("code"), True, said.append)  # allowed: it says what there is and goes on
+    refuse_unconfined_code(get_task("code"), True, said.append)  # allowed: it says what there is and goes on
     assert said == [describe(lacking)] and os.environ[sandbox.ALLOW_ENV] == "1"
     monkeypatch.delenv(sandbox.ALLOW_ENV)
 

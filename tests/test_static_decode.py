@@ -169,7 +169,7 @@ def test_the_plan_counts_the_dense_copy_that_fixed_shape_decoding_reads():
     them; where they would take over half of what the trainer leaves free, decoding goes token by token and the
     plan counts nothing (as StaticDecoder.build decides at run time)."""
     from minigrpo.hardware import card
-    from minigrpo.config import preset_shape
+    from minigrpo.presets import preset_shape
     from minigrpo.plan import CUDA_CONTEXT_GB, GiB, Settings, Sizes, make_plan, trainer_gb
 
     for model, gpu, held in (("qwen-1.5b", "t4", True), ("qwen-7b", "3090", False)):

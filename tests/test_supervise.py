@@ -164,7 +164,7 @@ def test_a_stop_request_finishes_the_step_and_saves(tmp_path, how):
     assert not (tmp_path / "run" / "adapter").exists()
     stop = json.loads((tmp_path / "run" / "stopped.json").read_text())
     assert stop["step"] == steps[-1] and stop["how"].startswith(f"{name} during step {steps[-1]}"), stop
-    from minigrpo.model import adapter_folder
+    from minigrpo.trained import adapter_folder
 
     with pytest.raises(ValueError, match=f"stopped before its end .* at step {steps[-1]} of 30.*--resume"):
         adapter_folder(tmp_path / "run")

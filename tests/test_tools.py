@@ -9,9 +9,9 @@ from typer.testing import CliRunner
 
 from minigrpo import TrainConfig, train
 from minigrpo.cli.app import app
-from minigrpo.model import load_trained
+from minigrpo.trained import load_trained
 from minigrpo.logprobs import pad_batch, token_logprobs
-from minigrpo.rollout import render_prompt
+from minigrpo.tools import render_prompt
 
 
 @pytest.fixture(scope="module")

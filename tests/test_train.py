@@ -114,13 +114,13 @@ def test_a_run_with_nothing_to_learn_from_is_told_once_and_a_group_with_spread_r
 
     from minigrpo.config import TrainConfig
     from minigrpo.console import Display
-    from minigrpo.health import FLAT_STEPS, check_health
+    from minigrpo.health import FLAT_STEPS, warn_or_stop
 
     def warnings(spreads: list[float]) -> list[str]:
         display = Display(len(spreads), Console(record=True, width=400))
         for step, spread in enumerate(spreads, 1):
             metrics = {"step": step} if spread is None else {"step": step, "frac_groups_reward_differs": spread}
-            check_health(TrainConfig(task="rg:chain_sum"), metrics, 0, display, None, Path("."))
+            warn_or_stop(TrainConfig(task="rg:chain_sum"), metrics, 0, display, None, Path("."))
         return [line for line in display.console.export_text().splitlines() if "no group has had reward" in line]
 
     # a step skipped for want of spread (--filter-groups) counts as flat too

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from minigrpo import TrainConfig, train
 from minigrpo.cli.app import app
-from minigrpo.rollout import PromptPool
+from minigrpo.state import PromptPool
 
 SMALL = dict(steps=2, num_generations=4, prompts_per_step=2, max_new_tokens=12, sample_every=0, seed=1,
              eval_before_after=False)

@@ -12,7 +12,7 @@ from minigrpo.config import TrainConfig  # noqa: E402
 from minigrpo.generate.hf import Sampling  # noqa: E402
 from minigrpo.model import load_policy, load_tokenizer  # noqa: E402
 from minigrpo.logprobs import pad_batch, token_logprobs  # noqa: E402
-from minigrpo.rollout import render_prompt  # noqa: E402
+from minigrpo.tools import render_prompt  # noqa: E402
 from minigrpo.generate.vllm_engine import VLLMGenerator  # noqa: E402
 
 TOL = 2e-3  # mean |engine - trainer| log-prob per token; fp32 on both sides, same dequantized base

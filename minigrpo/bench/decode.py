@@ -44,7 +44,7 @@ def depth_only(preset: str, folder: Path, head_dim: int = 8, vocab: int = 512, l
     folder to load."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from minigrpo.config import PRESETS
+    from minigrpo.presets import PRESETS
 
     kind, shape = PRESETS[preset].model_type, PRESETS[preset].shape
     hidden = shape["num_attention_heads"] * head_dim
@@ -269,7 +269,7 @@ def bench_real(rows: int = 16, new_tokens: int = 48, threads: int | None = None,
     quick start's settings on this machine: new tokens per second of each path, over the same prompts."""
     from minigrpo.generate.hf import HFGenerator
     from minigrpo.model import default_dtype, load_policy, load_tokenizer
-    from minigrpo.rollout import render_prompt
+    from minigrpo.tools import render_prompt
     from minigrpo.tasks import get_task
     from minigrpo.weights import OFFLINE_HUB_ID, resolve_weights
 

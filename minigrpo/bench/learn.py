@@ -205,18 +205,19 @@ def _evaluate_checkpoints(folder: str) -> None:
     """The base model (step 0) and each of TRL's checkpoints, through the evaluator minigrpo's runs use."""
     from minigrpo.evaluate import Evaluator
     from minigrpo.generate.hf import HFGenerator
-    from minigrpo.model import load_trained, seed_everything
+    from minigrpo.model import seed_everything
+    from minigrpo.trained import load_trained
     from minigrpo.tasks import get_task
 
     folder = Path(folder)
     cfg = TrainConfig.load(folder / "config.json")
-    task = get_task(cfg.task, cfg.rewards, cfg.seed, cfg.tools, environment=cfg.environment)
+    task = get_task(cfg.task, cfg.rewards, cfg.tools, environment=cfg.environment)
     checkpoints = sorted((folder / "trl").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     for step, adapter in [(0, None)] + [(int(p.name.split("-")[1]), p) for p in checkpoints]:
         seed_everything(cfg.seed)  # as minigrpo's own run seeds before its evaluations
         policy, tokenizer, _ = load_trained(adapter, cfg.model, dtype=cfg.dtype, bf16_base=cfg.bf16_base,
                                             load_in_4bit=cfg.load_in_4bit)
-        evaluate = Evaluator(cfg, task, task.weights, tokenizer, HFGenerator(policy, tokenizer), folder)
+        evaluate = Evaluator(cfg, task, tokenizer, HFGenerator(policy, tokenizer), folder)
         evaluate(step, with_samples=bool(cfg.eval_every))
 
 

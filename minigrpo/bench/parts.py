@@ -88,7 +88,7 @@ def _memory_child(path: str, rows: int, length: int, out: str) -> None:
         ids = torch.randint(10, tokenizer.vocab_size, (rows, 32 + length), generator=g).to(device)
         logps = logprobs(model, ids, torch.ones_like(ids), length)  # [rows, length]
         mask = torch.ones(rows, length, dtype=torch.bool, device=device)
-        loss, _ = L.policy_loss(logps, logps.detach(), None, torch.randn(rows, device=device), mask)
+        loss, _ = L.policy_loss(L.Objective(), logps, logps.detach(), None, torch.randn(rows, device=device), mask)
         loss.backward()
         model.zero_grad(set_to_none=True)
 

@@ -151,8 +151,8 @@ def weights_or_random(preset: str, folder: Path, random_weights: bool = False) -
 
     from minigrpo.console import quiet_libraries
     from minigrpo.model import byte_tokenizer, default_dtype, load_tokenizer
-    from minigrpo.config import PRESETS
-    from minigrpo.config import preset_shape
+    from minigrpo.presets import PRESETS
+    from minigrpo.presets import preset_shape
     from minigrpo.weights import OFFLINE_HUB_ID, hub_problem, offline_copy, resolve_weights
 
     hub_id = TrainConfig(model=preset).hub_id

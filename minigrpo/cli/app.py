@@ -13,14 +13,16 @@ from rich.table import Table
 
 from minigrpo import supervise
 from minigrpo.cli.machine import machine_app
-from minigrpo.cli.talk import UNCONFINED_HELP, talk_app
+from minigrpo.cli.flags import Panelled, config_flags
+from minigrpo.cli.talk import talk_app
 from minigrpo.cli.train import config_from_flags, sft, train
-from minigrpo.config import PRESETS, Backend, TrainConfig, VllmMode, WeightsDtype
+from minigrpo.config import Backend, TrainConfig, VllmMode, WeightsDtype
+from minigrpo.presets import PRESETS
 from minigrpo.errors import clear_errors
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="GRPO with a 4-bit base and LoRA adapters, on one consumer GPU (or a laptop cpu).")
-app.command()(train)
+app.command(cls=Panelled)(train)
 app.command()(sft)
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -69,6 +71,7 @@ def graduate(
 
 @app.command("eval")
 @clear_errors
+@config_flags("allow_unconfined_code")
 def eval_command(
     task: str = typer.Option(..., help="Built-in task, task .py file, data file, or hub dataset."),
     adapter: str = typer.Option(None, help="A trained adapter folder (runs/<run>/adapter) [default: none, the base model]."),
@@ -86,7 +89,7 @@ def eval_command(
     seed: int = typer.Option(None, min=0, help="Seed of the held-out split [default: the run's, else 0]."),
     eval_data: str = typer.Option(None, help="A data file of held-out rows [default: the run's --eval-data, else "
                                              "the task's held-out split]."),
-    allow_unconfined_code: bool = typer.Option(False, help=UNCONFINED_HELP),
+    *, allow_unconfined_code: bool,  # its option: config.py's field
 ) -> None:
     """Evaluate the base model or a trained adapter on the task's held-out split: pass@1 and mean reward."""
     from pathlib import Path
@@ -96,16 +99,17 @@ def eval_command(
     from minigrpo import settle
     from minigrpo.evaluate import Evaluator
     from minigrpo.generate.hf import HFGenerator
-    from minigrpo.model import adapter_folder, load_trained, seed_everything
+    from minigrpo.model import seed_everything
+    from minigrpo.trained import adapter_folder, load_trained
     from minigrpo.run import results_folder, writable
-    from minigrpo.tasks import check_sandbox, get_task
+    from minigrpo.tasks import refuse_unconfined_code, get_task
     
     for flag, value in (("--prompts", prompts), ("--samples", samples)):
         if value < 1:
             raise ValueError(f"{flag} {value}: give at least 1")
     t = get_task(task, reward, extra_tools=tool)
-    settle.check_eval_data(eval_data)
-    check_sandbox(t, allow_unconfined_code, Console().print)
+    settle.refuse_missing_eval_data(eval_data)
+    refuse_unconfined_code(t, allow_unconfined_code, Console().print)
     adapter = adapter and adapter_folder(adapter)
     folder = results_folder(Path(out), "--out") if out else adapter.parent if adapter else None
     if folder is not None:
@@ -117,7 +121,7 @@ def eval_command(
     cfg = settle.episode_budget(cfg, t)
     generator = HFGenerator(policy, tokenizer)
     judge.attach(judge.base_generate(generator, tokenizer), folder)
-    result = Evaluator(cfg, t, t.weights, tokenizer, generator, folder)(None)
+    result = Evaluator(cfg, t, tokenizer, generator, folder)(None)
     Console().print(f"{f'adapter {adapter}' if adapter else 'base model ' + cfg.model} on {t.name}: "
                     f"{describe_eval(result)}", highlight=False)
 
@@ -165,40 +169,35 @@ def tasks() -> None:
 
 @app.command("check-reward")
 @clear_errors
+@config_flags("environment", "rewards", "tools", "model", "max_prompt_tokens", "seed", "allow_unconfined_code",
+              helps={"model": "The model to sample completions from."})
 def check_reward(
     task: str = typer.Option(None, help="Built-in task, task .py file, data file, or hub dataset [default: "
                                         "none; with --environment alone, the prompts its reset() writes]."),
-    environment: str = typer.Option(None, help="An environment class file.py:Class, as train takes it "
-                                               "[default: the task's own]."),
-    reward: list[str] = typer.Option([], help="Extra reward function file.py:function (repeat) [default: none]."),
-    tool: list[str] = typer.Option([], help="A tool the model may call, file.py:function (repeat): each "
-                                            "completion becomes an episode [default: the task's own]."),
-    model: str = typer.Option("smollm2-135m", help="The model to sample completions from."),
-    max_prompt_tokens: int = typer.Option(512, min=1, help="Prompt length limit, as train has it."),
     prompts: int = typer.Option(4, min=1, help="Prompts to sample completions for."),
     samples: int = typer.Option(None, min=1, help="Samples per prompt, a group's spread as training sees it "
                                                   "[default: the model preset's G]."),
     max_new_tokens: int = typer.Option(None, min=1, help="Completion length limit [default: from the model preset]."),
     max_turns: int = typer.Option(None, min=1, help=f"Model turns per episode [default: {TrainConfig.max_turns}]."),
     no_model: bool = typer.Option(False, "--no-model", help="Only the worked examples and the data; load no model."),
-    seed: int = typer.Option(0, min=0, help="Seed of the data order and the draws."),
-    allow_unconfined_code: bool = typer.Option(False, help=UNCONFINED_HELP),
+    *, environment: str, rewards: list[str], tools: list[str], model: str, max_prompt_tokens: int, seed: int,
+    allow_unconfined_code: bool,  # options of config.py's fields
 ) -> None:
     """Run the rewards on worked examples and on sampled completions; warn about broken or useless ones."""
     from minigrpo.check import check_task, precheck_rewards
     from minigrpo.scoring import RewardError
-    from minigrpo.tasks import check_sandbox, get_task
+    from minigrpo.tasks import refuse_unconfined_code, get_task
 
     console = Console()
     if task is None and environment is None:
         raise typer.BadParameter("give --task (or --environment, whose reset() writes the prompts)")
-    t = get_task(task or "environment", reward, extra_tools=tool, environment=environment)
-    check_sandbox(t, allow_unconfined_code, console.print)
+    t = get_task(task or "environment", rewards, extra_tools=tools, environment=environment)
+    refuse_unconfined_code(t, allow_unconfined_code, console.print)
     rows = t.make_data("train", seed)
     check_task(t, rows[:prompts], console, None if no_model else model, samples, max_new_tokens, seed, max_turns,
                max_prompt_tokens, tokenizer_of=model)
     try:  # the checks train makes before it loads a model: where they stop it, this command fails too
-        precheck_rewards(t, t.weights or [1.0] * len(t.rewards), rows[:prompts])
+        precheck_rewards(t, rows[:prompts])
     except RewardError as error:
         raise ValueError(f"train would stop here, before loading the model: {error}") from None
 
@@ -218,7 +217,7 @@ def export(
 
     import torch
 
-    from minigrpo.model import adapter_folder
+    from minigrpo.trained import adapter_folder
     from minigrpo.run import results_folder
 
     adapter = adapter_folder(run)
@@ -231,7 +230,7 @@ def export(
         Console().print(f"copied the adapter to {out}")
         return
     from minigrpo.export import export_weights
-    from minigrpo.model import load_trained
+    from minigrpo.trained import load_trained
 
     policy, tokenizer, _ = load_trained(adapter)
     export_weights(policy, tokenizer, Path(out), getattr(torch, dtype), merge_adapter=True)

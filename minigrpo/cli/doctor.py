@@ -154,7 +154,7 @@ def check_engine(policy, tokenizer, dtype: torch.dtype, on_gpu: bool) -> list[Ch
     from minigrpo.generate import Sampling
     from minigrpo.model import lora_parameters
     from minigrpo.logprobs import pad_batch, token_logprobs
-    from minigrpo.rollout import render_prompt
+    from minigrpo.tools import render_prompt
     from minigrpo.generate.vllm_engine import VLLMGenerator
 
     start = time.perf_counter()

@@ -8,61 +8,46 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from minigrpo.config import Dtype, Generator, TrainConfig
+from minigrpo.cli.flags import config_flags
+from minigrpo.config import TrainConfig
 from minigrpo.errors import clear_errors
 
-PRESET_HELP = "[default: from the model preset]"
 machine_app = typer.Typer(rich_markup_mode=None)
-TRAIN = TrainConfig()  # train's defaults, where plan takes the same option
 
 
 @machine_app.command("plan")
 @clear_errors
+@config_flags("model", "num_generations", "prompts_per_step", "max_new_tokens", "micro_batch_size", "lora_rank",
+              "generator", "dtype", "load_in_4bit", "eval_every", "eval_prompts", "eval_samples", "top_p",
+              defaults={"model": "qwen-1.5b", "load_in_4bit": True},
+              helps={"model": "Preset name, hub id or local folder (only its config is read).",
+                     "top_p": "Nucleus sampling threshold (with --rehearse: the log-prob path it sizes)."})
 def plan_command(
-    model: str = typer.Option("qwen-1.5b", help="Preset name, hub id or local folder (only its config is read)."),
     gpu: str = typer.Option(None, help="A card: t4, v100, 3060, 4060ti, l4, a10, 3090, 4090, a100-40, a100-80, h100 [default: this machine's]."),
     gpu_memory: float = typer.Option(None, help="A card with this many GB instead of a named one [default: none]."),
-    num_generations: int = typer.Option(None, "--num-generations", "-G", min=1,
-                                        help=f"Completions per prompt. {PRESET_HELP}"),
-    prompts_per_step: int = typer.Option(None, min=1, help=f"Prompts per step. {PRESET_HELP}"),
-    max_new_tokens: int = typer.Option(None, min=1, help=f"Completion length limit. {PRESET_HELP}"),
-    micro_batch_size: int = typer.Option(8, min=1, help="Completions per forward/backward pass."),
-    lora_rank: int = typer.Option(None, min=1, help=f"LoRA rank. {PRESET_HELP}"),
-    generator: Generator = typer.Option("auto", help="Which generates, as for train."),
-    dtype: Dtype = typer.Option("auto", help="Compute dtype, as for train."),
-    load_in_4bit: bool = typer.Option(True, "--4bit/--no-4bit", help="nf4 base, or 16-bit."),
-    eval_every: int = typer.Option(TRAIN.eval_every, min=0,
-                                   help="As train's: a sampled evaluation, prompts x samples."),
-    eval_prompts: int = typer.Option(TRAIN.eval_prompts, min=1, help="Held-out prompts an evaluation decodes at once."),
-    eval_samples: int = typer.Option(TRAIN.eval_samples, min=1,
-                                     help="Samples per held-out prompt (with --eval-every)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per card, for scripts."),
     rehearse: bool = typer.Option(False, help="Also run a step's code at the preset's sizes on tensors without "
                                               "data, and print each part's counted peak beside the plan's."),
-    top_p: float = typer.Option(TRAIN.top_p, min=0.0, max=1.0, help="As train's (with --rehearse: the log-prob path "
-                                                                     "it sizes)."),
+    **settings,
 ) -> None:
     """Before any download: what a run would use on a card (dtype, generator, engine share, peak) and if it fits;
     on this machine's GPU by default, else on every known card."""
     import json
 
     try:
-        cfg = TrainConfig(model=model, num_generations=num_generations, prompts_per_step=prompts_per_step,
-                          max_new_tokens=max_new_tokens, micro_batch_size=micro_batch_size, lora_rank=lora_rank,
-                          generator=generator, dtype=dtype, load_in_4bit=load_in_4bit, eval_every=eval_every,
-                          eval_prompts=eval_prompts, eval_samples=eval_samples)
+        cfg = TrainConfig(**settings)
         plans = plans_for(cfg, gpu, gpu_memory)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
     if as_json:
         for label, p in plans.items():
-            print(json.dumps({"model": model, "gpu": label, **p.to_dict()}))
+            print(json.dumps({"model": cfg.model, "gpu": label, **p.to_dict()}))
         return
     print_plans(cfg, plans, Console(width=max(Console().width, 110)))
     if rehearse:
         from minigrpo.rehearse import print_rehearsal
 
-        print_rehearsal(model, gpu or "t4", top_p, Console(width=max(Console().width, 110)))
+        print_rehearsal(cfg.model, gpu or "t4", cfg.top_p, Console(width=max(Console().width, 110)))
 
 
 def print_plans(cfg, plans: dict, console) -> None:
@@ -96,10 +81,11 @@ def print_plans(cfg, plans: dict, console) -> None:
 
 @machine_app.command()
 @clear_errors
+@config_flags("dtype", helps={"dtype": "Check this compute dtype instead of the one chosen for this machine."})
 def doctor(
-    dtype: Dtype = typer.Option("auto", help="Check this compute dtype instead of the one chosen for this machine."),
     vllm_requirement: bool = typer.Option(False, "--vllm-requirement",
                                           help="Only print the vLLM build for this machine (for install scripts)."),
+    *, dtype: str,  # its option: config.py's field
 ) -> None:
     """Check this machine's training path for real: GPU, driver, versions, dtype, a 4-bit LoRA step, the engine."""
     from minigrpo.cli.doctor import print_report, run_doctor
@@ -154,18 +140,14 @@ def bench_trl(
 
 @bench_app.command("learn")
 @clear_errors
+@config_flags("task", "steps", "eval_every", "eval_prompts", "eval_samples",
+              helps={"eval_every": "Evaluate every this many steps too, for the curve (0: before and after only)."})
 def bench_learn(
-    task: str = typer.Option(TrainConfig.task, help="The task to learn (any --task of train)."),
     seed: list[int] = typer.Option([0, 1, 2], min=0, help="A seed to train under (repeat) [default: 0, 1, 2]."),
-    steps: int = typer.Option(TrainConfig.steps, min=1, help="Optimizer steps per run."),
-    eval_every: int = typer.Option(0, min=0, help="Evaluate every this many steps too, for the curve (0: before "
-                                                  "and after only)."),
-    eval_prompts: int = typer.Option(TrainConfig.eval_prompts, min=1, help="Held-out prompts per evaluation."),
-    eval_samples: int = typer.Option(TrainConfig.eval_samples, min=1, help="Samples per prompt for the mean reward "
-                                                                           "of the evaluations every --eval-every steps."),
     set_: list[str] = typer.Option([], "--set", help="key=value of any train setting (repeat) [default: none]."),
     with_trl: bool = typer.Option(False, help="Train the same through TRL's GRPOTrainer too (pip install trl)."),
     out: str = typer.Option("cards", help="Folder for the card (NAME.json, NAME.md) and its runs (runs/)."),
+    *, task: str, steps: int, eval_every: int, eval_prompts: int, eval_samples: int,  # config.py's fields
 ) -> None:
     """Result card: train a task under several seeds (and through TRL), held-out pass@1 before and after."""
     import importlib.util
@@ -176,8 +158,6 @@ def bench_learn(
     if with_trl and importlib.util.find_spec("trl") is None:
         raise ValueError("--with-trl needs TRL: pip install 'minigrpo[trl]'")
     settings = {**parse_settings(set_), "steps": steps, "eval_prompts": eval_prompts, "eval_samples": eval_samples}
-    if steps < 1 or eval_every < 0:
-        raise ValueError(f"--steps {steps} --eval-every {eval_every}: steps at least 1, eval-every 0 or more")
     console = Console(width=160)
     card = learn(task, seed, settings, eval_every, Path(out), with_trl,
                  emit=lambda line: console.print(line, highlight=False, markup=False))
@@ -254,7 +234,7 @@ def bench_decode_command(
     from rich.table import Table
 
     from minigrpo.bench.decode import bench_decode, bench_real
-    from minigrpo.config import PRESETS
+    from minigrpo.presets import PRESETS
 
     for name in preset:
         if name not in PRESETS:
@@ -292,6 +272,7 @@ def bench_decode_command(
 
 @bench_app.command("model")
 @clear_errors
+@config_flags("generator")
 def bench_model_command(
     model: str = typer.Option("smollm2-135m", "--model", help="A preset; random weights of its shape if absent."),
     num_generations: list[int] = typer.Option([4, 8], "--num-generations", "-G", min=1,
@@ -299,9 +280,9 @@ def bench_model_command(
     max_new_tokens: list[int] = typer.Option([], min=1, help="Completion lengths to measure (repeat); "
                                                     "[default: 128 and 512 on a GPU, 32 and 64 on CPU]."),
     steps: int = typer.Option(3, min=2, help="Steps per setting; the first is left out."),
-    generator: Generator = typer.Option("auto", help="Which generates, as for train."),
     random_weights: bool = typer.Option(False, help="Random weights even where the real ones are here: every "
                                                      "completion runs to max new tokens, the worst case."),
+    *, generator: str,  # its option: config.py's field
 ) -> None:
     """On this machine: generation tokens/s, s/step, sync, peak memory, and which settings fit."""
     from minigrpo.bench.steps import bench_model
@@ -313,7 +294,7 @@ def shape_of(cfg):
     """The model's architecture: a preset's own, else its config from the hub or a folder."""
     from transformers import AutoConfig
 
-    from minigrpo.config import PRESETS, preset_shape
+    from minigrpo.presets import PRESETS, preset_shape
     from minigrpo.weights import resolve_weights
 
     if cfg.model in PRESETS:

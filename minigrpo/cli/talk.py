@@ -6,15 +6,15 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from minigrpo.cli.flags import config_flags
 from minigrpo.errors import clear_errors
 
 talk_app = typer.Typer(rich_markup_mode=None)
-UNCONFINED_HELP = ("Run model-written code (the code task) even where the kernel lacks a sandbox layer "
-                   "(Landlock, namespaces, seccomp); `minigrpo doctor` says which this machine has.")
 
 
 @talk_app.command()
 @clear_errors
+@config_flags("allow_unconfined_code")
 def sample(
     prompt: list[str] = typer.Argument(None, help="Prompts (user messages) [default: with --task, its held-out ones]."),
     task: str = typer.Option(None, help="Sample the held-out prompts of this task, with its tools or environment, "
@@ -29,19 +29,19 @@ def sample(
     max_turns: int = typer.Option(None, min=1, help="Model turns per episode [default: the run's, else 4]."),
     temperature: float = typer.Option(0.7, min=0.0, help="Sampling temperature; 0 is greedy."),
     seed: int = typer.Option(0, min=0, help="Seed of the draws."),
-    allow_unconfined_code: bool = typer.Option(False, help=UNCONFINED_HELP),
+    *, allow_unconfined_code: bool,  # its option: config.py's field
 ) -> None:
     """Sample completions (or episodes, turn by turn) from a trained adapter or the base model."""
     from minigrpo.console import shown
     from minigrpo.evaluate import sample_completions
     from minigrpo.scoring import score
-    from minigrpo.tasks import Task, check_sandbox, get_task, load_tool
+    from minigrpo.tasks import Task, refuse_unconfined_code, get_task, load_tool
 
     if bool(prompt) == bool(task):
         raise ValueError("give prompts, or --task for its held-out prompts (not both)")
     if task:
         t = get_task(task, extra_tools=tool)
-        check_sandbox(t, allow_unconfined_code, Console().print)
+        refuse_unconfined_code(t, allow_unconfined_code, Console().print)
         rows = t.make_data("test", seed)[:prompts]
     else:
         rows = [{"prompt": p} for p in prompt]
@@ -71,8 +71,8 @@ def chat(
     """Talk to a trained adapter; an empty line or `exit` ends the chat."""
     from minigrpo.generate import Sampling
     from minigrpo.generate.hf import HFGenerator
-    from minigrpo.model import load_trained
-    from minigrpo.rollout import render_prompt
+    from minigrpo.trained import load_trained
+    from minigrpo.tools import render_prompt
 
     policy, tokenizer, _ = load_trained(adapter, model)
     generator, history, console = HFGenerator(policy, tokenizer), [], Console()

@@ -1,7 +1,7 @@
 """How a token is drawn: the settings the trainer's log-probs assume (temperature, top-p), and the draw itself.
 
 Every generator that samples with our own code (the transformers decode loops) draws through `sample`, so the
-distribution a token came from is the one `loss.py` computes its log-prob under. Where top-p < 1, a sampler's
+distribution a token came from is the one `logprobs.py` computes its log-prob under. Where top-p < 1, a sampler's
 log-probs (ours, and vLLM's "processed" ones) are renormalised over the nucleus while the trainer's cover the
 whole vocabulary; `kept_logmass` is what puts the two on one footing for the importance weights (update.py).
 """
@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from minigrpo.memory import NUCLEUS_TOP_K
 
 
 @dataclass
@@ -56,7 +58,6 @@ def sample(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torc
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 
-NUCLEUS_TOP_K = 256  # tokens ranked per row for the kept mass; a row whose nucleus reaches past them is bisected
 
 
 def kept_logmass(logits: torch.Tensor, targets: torch.Tensor, top_p: float,

@@ -1,6 +1,6 @@
 """Decoding with fixed shapes: a handful of host calls per new token, one replayed CUDA graph on a card.
 
-`generation.decode` runs the trainer's own modules token by token: ~4,000 torch ops and ~200 bitsandbytes calls
+`generate.hf.decode` runs the trainer's own modules token by token: ~4,000 torch ops and ~200 bitsandbytes calls
 per new token from Python, 100 ms of host time at a 1.5B model's depth whatever the card, which the card spends
 waiting. This decoder reads the same weights through a flat, fixed-shape step instead:
 
@@ -35,35 +35,14 @@ import torch
 import torch.nn.functional as F
 
 from minigrpo.generate.fused import Projection, dense_copy_gb
+from minigrpo.memory import LENGTH_STEP, prefill_prompts, rows_bucket
 from minigrpo.model import cache_keyword
 from minigrpo.generate.sampling import Sampling, sample
 
 CHECK_EVERY = 8  # new tokens between host reads of "has every row ended?" (the only sync while decoding)
-LENGTH_STEP = 64  # cache lengths are rounded up to this, so rollouts of similar prompts share one graph
 LAYOUTS = ("llama", "qwen2", "mistral")  # pre-norm blocks, rotary attention, SwiGLU: the step below
 GROUPS = {"qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")), "o": ("self_attn", ("o_proj",)),
           "gate_up": ("mlp", ("gate_proj", "up_proj")), "down": ("mlp", ("down_proj",))}
-
-
-def rows_bucket(rows: int) -> int:
-    """The rows a state is built with: the next power of two, so turns with a few episodes fewer share one.
-
-    >>> [rows_bucket(r) for r in (1, 3, 8, 9, 64)]
-    [1, 4, 8, 16, 64]
-    """
-    return 1 << (rows - 1).bit_length()
-
-
-PREFILL_TOKENS = 4096  # prompt tokens per prefill forward: its cache and activations are what the plan counts
-
-
-def prefill_prompts(longest: int) -> int:
-    """How many prompts one prefill forward takes: `PREFILL_TOKENS` tokens' worth at the batch's longest prompt.
-
-    >>> prefill_prompts(100), prefill_prompts(512), prefill_prompts(9000)
-    (40, 8, 1)
-    """
-    return max(1, PREFILL_TOKENS // longest)
 
 
 class Unsupported(Exception):
@@ -72,7 +51,7 @@ class Unsupported(Exception):
 
 class StaticDecoder:
     """The policy's weights read by a fixed-shape decode step (see the module's docstring). Build it once per
-    run with `build`; call `refresh` after each optimizer step; `decode` is `generation.decode`'s drop-in."""
+    run with `build`; call `refresh` after each optimizer step; `decode` is `generate.hf.decode`'s drop-in."""
 
     def __init__(self, model, stream: torch.dtype):
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -221,7 +200,7 @@ class StaticDecoder:
     @torch.no_grad()
     def decode(self, prompt_ids: list[list[int]], sampling: Sampling, eos_ids: list[int], pad_id: int,
                adapters: bool = True) -> tuple[list[list[int]], list[list[float]]]:
-        """As `generation.decode`: G sampled continuations of each prompt, grouped, each up to its first eos
+        """As `generate.hf.decode`: G sampled continuations of each prompt, grouped, each up to its first eos
         (kept) or `max_new_tokens`, and each sampled token's log-prob under the distribution it came from."""
         dev, G, n = self.inner.device, sampling.n, sampling.max_new_tokens
         P, longest = len(prompt_ids), max(len(p) for p in prompt_ids)

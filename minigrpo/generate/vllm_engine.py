@@ -138,7 +138,7 @@ def engine_base(model, tokenizer, dtype: torch.dtype) -> Path:
 
 
 class VLLMGenerator:
-    """The generator interface (`generation.Generator`) on a colocated vLLM engine."""
+    """The generator interface (`generate.Generator`) on a colocated vLLM engine."""
 
     def __init__(self, llm, lora_request, *, sleep: bool, seed: int, folder=None, base: Path | None = None):
         self.llm, self.lora = llm, lora_request
