@@ -22,6 +22,7 @@ from minigrpo.presets import CUSTOM_MODEL, PRESETS
 # (typer shows and checks it: `--loss <grpo|dr_grpo|...>`), and `validate`, which reads it back.
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 WeightsDtype = Literal["bfloat16", "float16", "float32"]  # an export's: written weights have one
+GgufType = Literal["f16", "bf16", "q8_0", "q4_0", "f32"]  # an export's for llama.cpp (to_gguf.py)
 Generator = Literal["auto", "vllm", "hf"]
 Decoder = Literal["auto", "static", "eager"]
 ScaleRewards = Literal["group", "batch", "none"]
@@ -32,8 +33,7 @@ KlEstimator = Literal["k1", "k2", "k3"]
 Advantage = Literal["grpo", "rloo", "maxrl"]
 RewardAggregation = Literal["sum", "normalize_then_sum"]
 Tracker = Literal["tensorboard", "wandb"]
-# --loss: each named loss is a setting of the knobs below (loss.py's docstring has the table); None there
-# takes the preset's value
+# --loss: each named loss is a setting of the knobs below (loss.py's docstring has the table)
 _TOKEN_PPO = dict(importance_sampling="token", surrogate="ppo", epsilon=0.2)
 LOSS_PRESETS = {
     "grpo": dict(scale_rewards="group", loss_aggregation="sequence", **_TOKEN_PPO),

@@ -43,6 +43,8 @@ def resolve_weights(hub_id: str) -> str:
     """
     if Path(hub_id).is_dir():
         return hub_id
+    if hub_id.endswith(".gguf"):
+        return gguf_base(Path(hub_id))
     if hub_id != OFFLINE_HUB_ID:
         problem = hub_problem(hub_id)
         if problem:
@@ -128,13 +130,40 @@ def _find_offline_gguf() -> Path:
     return target
 
 
+def gguf_base(path: Path) -> str:
+    """A GGUF file given as --model: its 16- or 32-bit weights, converted once into a transformers folder under the
+    cache. A quantized file is refused: a LoRA trained on weights already rounded to a few bits would be merged back
+    into the model they came from, which is not this one."""
+    import hashlib
+
+    import gguf
+
+    if not path.is_file():
+        raise ValueError(f"--model {path}: no such file")
+    types = {t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors} - {"F32", "F16", "BF16"}
+    if types:
+        raise ValueError(f"--model {path} holds quantized weights ({', '.join(sorted(types))}): train on the model it "
+                         f"was made from (its hub id or folder), or on an f16 or bf16 GGUF of it")
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_dir() / "gguf-bases" / f"{path.stem}-{key}"
+    if not (out / "config.json").exists():
+        with torch.random.fork_rng(devices=[]):  # as the offline model's conversion: no draw of the run's seed
+            convert_gguf(path, out)
+    return str(out)
+
+
 def convert_offline_smollm2(out: Path) -> None:
     """Dequantize the packaged gguf into a normal transformers folder (fp32 safetensors + tokenizer)."""
+    convert_gguf(_find_offline_gguf(), out)
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """A GGUF file as a normal transformers folder (fp32 safetensors + tokenizer), written atomically."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     quiet_libraries()
-    gguf = _find_offline_gguf()
-    print(f"minigrpo: converting it once into {out}")
+    print(f"minigrpo: converting {gguf.name} once into {out}")
     kwargs = dict(gguf_file=gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)

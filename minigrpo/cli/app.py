@@ -12,11 +12,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from minigrpo import supervise
+from minigrpo.cli.after import after_app
 from minigrpo.cli.machine import machine_app
 from minigrpo.cli.flags import Panelled, config_flags
 from minigrpo.cli.talk import talk_app
 from minigrpo.cli.train import config_from_flags, sft, train
-from minigrpo.config import Backend, TrainConfig, VllmMode, WeightsDtype
+from minigrpo.config import Backend, TrainConfig, VllmMode
 from minigrpo.presets import PRESETS
 from minigrpo.errors import clear_errors
 
@@ -202,56 +203,9 @@ def check_reward(
         raise ValueError(f"train would stop here, before loading the model: {error}") from None
 
 
-@app.command()
-@clear_errors
-def export(
-    run: str = typer.Argument(..., help="A run folder."),
-    out: str = typer.Option(..., help="Where to write the exported model."),
-    merge: bool = typer.Option(True, "--merge/--adapter-only",
-                               help="A merged standalone model, or just the PEFT adapter folder."),
-    dtype: WeightsDtype = typer.Option("bfloat16", help="Weights of the merged model."),
-) -> None:
-    """Export a trained run: a merged 16-bit model that transformers and vLLM load, or the adapter alone."""
-    import shutil
-    from pathlib import Path
-
-    import torch
-
-    from minigrpo.trained import adapter_folder
-    from minigrpo.run import results_folder
-
-    adapter = adapter_folder(run)
-    target = Path(out)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise ValueError(f"--out {out} already exists and is not an empty folder; pick a new one (nothing was written)")
-    results_folder(target, "--out")
-    if not merge:
-        shutil.copytree(adapter, out, dirs_exist_ok=True)
-        Console().print(f"copied the adapter to {out}")
-        return
-    from minigrpo.export import export_weights
-    from minigrpo.trained import load_trained
-
-    policy, tokenizer, _ = load_trained(adapter)
-    export_weights(policy, tokenizer, Path(out), getattr(torch, dtype), merge_adapter=True)
-    Console().print(f"wrote a merged {dtype} model to {out}")
-
-
-@app.command()
-@clear_errors
-def plot(
-    run: str = typer.Argument(..., help="A run folder, or a result card (bench learn's NAME.json)."),
-    out: str = typer.Option(None, help="PNG path [default: <run>/curves.png, or the card's NAME.png]."),
-) -> None:
-    """Write a run's curves (reward and its parts, groups with spread, eval, KL, length, step time) as a PNG;
-    for a result card, held-out pass@1 against seconds of training for each trainer and seed."""
-    from minigrpo.plot import plot_card, plot_run
-
-    Console().print(f"wrote {(plot_card if run.endswith('.json') else plot_run)(run, out)}")
-
-
 app.add_typer(machine_app)  # plan, doctor, bench
 app.add_typer(talk_app)  # sample, chat
+app.add_typer(after_app)  # export, plot
 
 
 # flags renamed so that one thing has one name in every command; the old spelling is told the new one
