@@ -74,6 +74,14 @@ def _check_without_model(t: Task, rows: list[dict], console: Console, tokenizer=
     _, completions, ids, rows = as_batch(stand_ins(t, rows, tokenizer))
     print_report(check_rewards(t, rows, completions, judge_spread=False, completion_ids=ids),
                  f"{t.name}: stand-in completions (empty, and the prompt itself)", console)
+    from minigrpo.gaming import gamed
+
+    found = gamed(t)
+    for way in found:
+        console.print(f"[yellow]gameable[/]: {way}", highlight=False)
+    if t.examples and not found and not (t.tools or t.environment):
+        console.print("gaming probes (nothing, another prompt's answer, the format alone, the prompt said back, the "
+                      "answer buried in filler): none is paid as much as a right worked example", highlight=False)
 
 
 def check_rewards(task: Task, rows: list[dict], completions: list, judge_spread: bool = True,

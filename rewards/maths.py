@@ -77,5 +77,7 @@ TASK = Task(
     description="competition math; answers checked for equivalence with math-verify",
     make_data=make_data,
     rewards=[math_reward],
-    examples=[{"prompt": "1/2 + 1/2?", "solution": "$1$", "completion": "so \\boxed{1}", "expected": 1.0}],
+    # a prompt that is not itself an expression of its answer: `check-reward` tries the prompt said back as a
+    # completion, and "1/2 + 1/2" would rightly be paid as 1
+    examples=[{"prompt": "What is 3 squared?", "solution": "$9$", "completion": "so \\boxed{9}", "expected": 1.0}],
 )
