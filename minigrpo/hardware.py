@@ -149,22 +149,41 @@ def bf16_projections(on_gpu: bool, dtype: str, load_in_4bit: bool, generator: st
     return cpu_has_bf16() if cpu_bf16 is None else cpu_bf16
 
 
-@functools.cache  # every TrainConfig asks
-def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this x86 cpu has bfloat16 instructions (AVX512-BF16 or AMX), from /proc/cpuinfo's flags.
+# the caps torch and its libraries honour, below which a cpu's bf16 instructions go unused: oneDNN's ISA (its bf16
+# matmuls), and torch's own kernels' (ATEN_CPU_CAPABILITY: default, avx2 or avx512)
+ONEDNN_BELOW_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+
+
+def cpu_has_bf16(cpuinfo: str | None = None, env: dict | None = None) -> bool:
+    """Whether this x86 cpu computes bfloat16 natively (AVX512-BF16 or AMX, from /proc/cpuinfo's flags) and torch may
+    use it: `ONEDNN_MAX_CPU_ISA=AVX2` or `ATEN_CPU_CAPABILITY=avx2` make torch run as an AVX2 cpu runs, where bf16
+    is only emulated, so a run there computes as it would on such a cpu.
 
     Arm's BF16 extension is left out: nobody measured torch's bf16 speed on one for this project.
 
-    >>> cpu_has_bf16("flags : fpu avx2 avx512f avx512_bf16"), cpu_has_bf16("flags : fpu avx2 avx512f")
+    >>> cpu_has_bf16("flags : fpu avx2 avx512f avx512_bf16", {}), cpu_has_bf16("flags : fpu avx2 avx512f", {})
     (True, False)
+    >>> [cpu_has_bf16("flags : avx512_bf16", cap) for cap in ({"ONEDNN_MAX_CPU_ISA": "AVX2"},
+    ...                                                       {"ATEN_CPU_CAPABILITY": "avx2"})]
+    [False, False]
     """
+    env = os.environ if env is None else env
+    if env.get("ONEDNN_MAX_CPU_ISA", "").upper() in ONEDNN_BELOW_BF16:
+        return False
+    if env.get("ATEN_CPU_CAPABILITY", "").lower() in ("default", "avx", "avx2"):
+        return False
+    return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags(cpuinfo))
+
+
+@functools.cache  # every TrainConfig asks
+def _cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:  # not linux: no flags to read, so no claim
-            return False
+            return frozenset()
     found = re.search(r"^flags\s*:(.*)$", cpuinfo, re.M)
-    return bool(found) and bool({"avx512_bf16", "amx_bf16"} & set(found.group(1).split()))
+    return frozenset(found.group(1).split()) if found else frozenset()
 
 
 def dtype_name(dtype: torch.dtype) -> str:

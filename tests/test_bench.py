@@ -73,3 +73,19 @@ def test_a_benchmark_killed_from_outside_takes_its_child_along(tmp_path):
         time.sleep(0.05)
     os.kill(child, signal.SIGKILL)  # left behind: not for the machine to keep
     raise AssertionError(f"the benchmark's child {child} outlived it")
+
+
+def test_the_avx2_caps_make_a_run_compute_as_an_avx2_cpu_computes():
+    """ONEDNN_MAX_CPU_ISA=AVX2 (with torch's own cap) leaves bf16 emulated: the default then keeps the projections
+    in float32, as it does on an AVX2 cpu, and a card's hardware line says the cap."""
+    import os
+    import subprocess
+    import sys
+
+    caps = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    code = ("from minigrpo.config import TrainConfig; from minigrpo.bench.learn import hardware, describe_hardware; "
+            "print(TrainConfig().bf16_base, describe_hardware(hardware()))")
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, **caps}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("False "), done.stderr[-500:]
+    assert "avx512_bf16" not in done.stdout

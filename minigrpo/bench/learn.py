@@ -123,6 +123,10 @@ def hardware() -> dict:
     flags = set(flag_line.group(1).split()) if flag_line else set()
     isa = [f for f in ("avx512_bf16", "amx_bf16") if f in flags] or (["avx512f"] if "avx512f" in flags else
                                                                     ["avx2"] if "avx2" in flags else [])
+    from minigrpo.hardware import cpu_has_bf16
+
+    if isa and isa[0].endswith("_bf16") and not cpu_has_bf16():  # torch capped (ONEDNN_MAX_CPU_ISA=AVX2 ...)
+        isa = ["capped at avx2"]
     return {"gpu": None, "cpu": (name.group(1).strip() if name else platform.processor()) or "unknown cpu",
             "cpu_flags": isa, "threads": torch.get_num_threads()}
 
