@@ -72,7 +72,6 @@ def or_list(values) -> str:
 DAY = 86_400  # the longest a reward or tool call may take, in seconds (a far longer wait overflows the timer)
 
 
-
 def knob(default=None, help: str = "", *, panel: str, flag: tuple[str, ...] = (), shown: str | None = None,
          min: float | None = None, max: float | None = None, factory=None):
     """A TrainConfig field stated once: its default, its flag's help and panel (`minigrpo train --help`), and its

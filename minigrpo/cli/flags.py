@@ -30,15 +30,14 @@ def option(f: dataclasses.Field, default=_UNSET, help: str | None = None) -> ins
     kind = get_type_hints(TrainConfig)[f.name]
     if get_origin(kind) is list and get_origin(get_args(kind)[0]) is Literal:
         kind = list[str]  # typer takes no list of choices; validate checks each value
+    shown = meta["shown"] if default is _UNSET or default is None else None  # a command's own value shows itself
     if default is _UNSET:
         default = [] if f.default_factory is list else f.default
     decls = meta["flag"] or ((f"--{f.name.replace('_', '-')}/--no-{f.name.replace('_', '-')}",)
                              if bool in (kind, *get_args(kind)) else ())
-    text = help or meta["help"]
-    if meta["shown"]:
-        text += f" [default: {meta['shown']}]"
+    text = (help or meta["help"]) + (f" [default: {shown}]" if shown else "")
     info = typer.Option(default, *decls, help=text, rich_help_panel=meta["panel"], min=meta["min"], max=meta["max"],
-                        show_default=not meta["shown"])
+                        show_default=not shown)
     return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=kind)
 
 
