@@ -52,7 +52,7 @@ def test_train_two_steps_end_to_end(tmp_path, tiny_model_path):
 def test_bad_settings_fail_before_loading():
     result = CliRunner().invoke(app, ["train", "--num-generations", "1"])
     assert result.exit_code != 0
-    assert "num_generations" in result.output
+    assert "--num-generations" in result.output and "greater than or equal to 2" in result.output
 
 
 def test_your_own_reward_and_data_from_the_cli(tmp_path):
