@@ -25,7 +25,7 @@ def test_grpo_lifts_held_out_reward_on_cpu(tmp_path):
 def test_grpo_lifts_held_out_episode_reward_on_cpu(tmp_path):
     """Episodes of up to four turns with the environment answering each; the reward is 1 for finding the
     number, else up to 0.5 for how close the last guess came. 985 s on 2 cores of an AMD EPYC with AVX512-BF16 (the
-    two evaluations, 64 games greedy and 4 samples each, are most of it)."""
+    two evaluations play 64 games each, greedy and 4 samples)."""
     run = train(TrainConfig(model="smollm2-135m", task="guess", max_new_tokens=16, steps=30, eval_every=30,
                             eval_prompts=64, eval_samples=4, sample_every=0, save_every=0, seed=0,
                             output_dir=str(tmp_path / "run")))
