@@ -156,8 +156,8 @@ ONEDNN_BELOW_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512
 
 def cpu_has_bf16(cpuinfo: str | None = None, env: dict | None = None) -> bool:
     """Whether this x86 cpu computes bfloat16 natively (AVX512-BF16 or AMX, from /proc/cpuinfo's flags) and torch may
-    use it: `ONEDNN_MAX_CPU_ISA=AVX2` or `ATEN_CPU_CAPABILITY=avx2` make torch run as an AVX2 cpu runs, where bf16
-    is only emulated, so a run there computes as it would on such a cpu.
+    use it: under `ONEDNN_MAX_CPU_ISA=AVX2` or `ATEN_CPU_CAPABILITY=avx2` bf16 is only emulated, as on an AVX2 cpu,
+    so a run there chooses what it would choose on such a cpu.
 
     Arm's BF16 extension is left out: nobody measured torch's bf16 speed on one for this project.
 
