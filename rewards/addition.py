@@ -52,4 +52,7 @@ TASK = Task(
     make_data=make_data,
     rewards=[addition_reward],
     answer=last_integer,
+    examples=[{"prompt": "What is 3 + 4?", "a": 3, "b": 4, "completion": "3 + 4 is 7.", "expected": 1.0},
+              {"prompt": "Add 2 and 6.", "a": 2, "b": 6, "completion": "The answer is 8.", "expected": 1.0},
+              {"prompt": "Compute 5 plus 1.", "a": 5, "b": 1, "completion": "I am not sure.", "expected": 0.0}],
 )

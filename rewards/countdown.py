@@ -158,4 +158,11 @@ TASK = Task(
     description="reach a target with 3-4 numbers and + - * / (TinyZero); hard for models under ~1B",
     make_data=make_data,
     rewards=[countdown_reward],
+    examples=[{"prompt": PROMPT.format(nums=[3, 5, 2], target=16), "target": 16, "nums": [3, 5, 2],
+               "completion": "<think>3 + 5 is 8, times 2 is 16</think>\n<answer> (3 + 5) * 2 </answer>",
+               "expected": 1.0},
+              {"prompt": PROMPT.format(nums=[7, 4, 9], target=19), "target": 19, "nums": [7, 4, 9],
+               "completion": "<think>7 + 4 + 9</think>\n<answer> 7 + 4 * 9 </answer>", "expected": 0.1},
+              {"prompt": PROMPT.format(nums=[6, 8, 3], target=17), "target": 17, "nums": [6, 8, 3],
+               "completion": "<think>6 + 8 is 14, plus 3</think>\n<answer> 6 + 8 + 3 </answer>", "expected": 1.0}],
 )

@@ -79,7 +79,8 @@ def test_a_broken_reward_stops_before_the_model_loads(tmp_path):
     result = CliRunner().invoke(app, ["train", "--reward", f"{tmp_path / 'reward.py'}:bad", "--steps", "1",
                                       "--out", str(tmp_path / "run")])
     assert result.exit_code != 0
-    assert "reward function bad returned 1 values for 4 completions" in " ".join(result.output.split())
+    flat = " ".join(result.output.split())  # found on the task's worked examples, or its stand-in completions
+    assert "reward function bad returned 1 values for" in flat and "it must return one per completion" in flat
     assert not (tmp_path / "run").exists(), "it stopped before making a run folder or loading a model"
 
 

@@ -195,12 +195,12 @@ def check_reward(
     t = get_task(task or "environment", rewards, extra_tools=tools, environment=environment)
     refuse_unconfined_code(t, allow_unconfined_code, console.print)
     rows = t.make_data("train", seed)
-    check_task(t, rows[:prompts], console, None if no_model else model, samples, max_new_tokens, seed, max_turns,
-               max_prompt_tokens, tokenizer_of=model)
-    try:  # the checks train makes before it loads a model: where they stop it, this command fails too
+    try:  # first the checks train makes before it loads a model: where they stop it, this command fails too
         precheck_rewards(t, rows[:prompts])
     except RewardError as error:
         raise ValueError(f"train would stop here, before loading the model: {error}") from None
+    check_task(t, rows[:prompts], console, None if no_model else model, samples, max_new_tokens, seed, max_turns,
+               max_prompt_tokens, tokenizer_of=model)
 
 
 app.add_typer(machine_app)  # plan, doctor, bench
