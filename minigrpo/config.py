@@ -241,6 +241,7 @@ class TrainConfig:
     max_bad_steps: int = knob(3, "Updates in a row skipped for a NaN/inf loss or gradient before the run stops.",
                               panel=RUN, min=1)
     sample_every: int = knob(5, "Show a sampled completion every N steps (0: never).", panel=RUN, min=0)
+    stop_on_hacking: bool = knob(False, "Stop the run, saved, when a reward-gaming detector fires.", panel=RUN)
     report_to: list[Tracker] = knob(help="Also log to tensorboard and/or wandb (repeat).", panel=RUN, shown="none",
                                     factory=list)
 

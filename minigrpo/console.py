@@ -89,6 +89,17 @@ class Display:
                    f"-> {last['pass@1']:.3f}, greedy mean reward {first['greedy_reward/mean']:.3f} -> "
                    f"{last['greedy_reward/mean']:.3f} (step 0 -> {last['step']})[/]", highlight=False)
 
+    def gamed(self, finding) -> None:
+        """A gaming detector fired (minigrpo/hacking.py): what it saw, and a completion of the first step beside
+        one of now."""
+        self.print(f"[bold yellow]warning[/]: step {finding.step}: the reward may be gamed ({finding.detector}): "
+                   f"{finding.said}", highlight=False)
+        for when, s in (("first step", finding.early), (f"step {finding.step}", finding.now)):
+            if s:
+                text = shown(s["completion"])
+                self.print(f"  {when}, reward {s['reward']:.2f}: {text if len(text) < 300 else text[:297] + '...'}",
+                           highlight=False, markup=False)
+
     def sample(self, step: int, sample: dict) -> None:
         # None: the reward does not apply to this sample
         parts = "  ".join(f"{k} {'n/a' if v is None else f'{v:.2f}'}" for k, v in sample["reward_parts"].items())

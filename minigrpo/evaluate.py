@@ -67,7 +67,7 @@ class Evaluator:
         out = complete(self.cfg, self.tokenizer, self.generator, self.task, self.rows, sampling)
         totals = score(self.task.rewards, self.task.weights, [c["prompt"] for c in out.columns], out.completions,
                        out.completion_ids, out.columns, timeout=self.cfg.reward_timeout).totals
-        return totals, [self.task.answer(c) for c in out.completions] if self.task.answer else []
+        return totals, [self.task.answer_of(c) for c in out.completions] if self.task.answer else []
 
 
 def sampled_metrics(totals: list[float], answers: list, n: int, solved_reward: float) -> dict:

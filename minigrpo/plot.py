@@ -1,7 +1,8 @@
 """`minigrpo plot runs/<run>`: the curves of a run as PNG files, with matplotlib.
 
 One figure with a panel per figure of merit: reward (and each reward part), the share of groups whose
-rewards differ, held-out evaluation when the run has one, KL, completion length, and seconds per step.
+rewards differ, held-out evaluation when the run has one, KL, completion length, and seconds per step; a dashed
+red line marks each step where a gaming detector fired.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
         ax.grid(alpha=0.3)
         if len(series) > 1:
             ax.legend(fontsize=8)
+    mark_gaming(axes, metrics)
     axes[-1].set_xlabel("step")
     config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
     fig.suptitle(f"{config.get('model', '')} on {config.get('task', '')}: {run_dir.name}", fontsize=10)
@@ -79,6 +81,17 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def mark_gaming(axes, metrics: list[dict]) -> None:
+    """A dashed red line on every panel at each step where a gaming detector fired (minigrpo/hacking.py), named on
+    the top panel."""
+    for m in metrics:
+        for name in sorted(k.split("/")[1] for k in m if k.startswith("hacking/") and k.endswith("/fired")):
+            for ax in axes:
+                ax.axvline(m["step"], color="tab:red", linestyle="--", linewidth=1)
+            axes[0].annotate(f"gamed? {name}", (m["step"], 1), xycoords=("data", "axes fraction"), color="tab:red",
+                             fontsize=7, rotation=90, va="top", ha="right")
 
 
 def png_path(out: Path | None, beside: Path, name: str) -> Path:

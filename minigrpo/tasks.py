@@ -57,6 +57,14 @@ class Task:
     def reward_names(self) -> list[str]:
         return [reward_name(fn) for fn in self.rewards]
 
+    def answer_of(self, completion) -> str | None:
+        """The completion's final answer by `answer` (None where it gives none, or where `answer` fails on it: it is
+        the task's own code, and neither an evaluation nor a run stops for it)."""
+        try:
+            return self.answer(completion) if self.answer else None
+        except Exception:
+            return None
+
 
 ENVIRONMENT_TASK = "environment"  # --task when --environment supplies the prompts: no data
 

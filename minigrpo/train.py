@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minigrpo import checkpoint, fork, settle
+from minigrpo import checkpoint, fork, hacking, settle
 from minigrpo.judge import rubric as judge
 from minigrpo.adapters import refuse_foreign_adapters
 from minigrpo import loss as L
@@ -97,20 +97,13 @@ def _train(cfg: TrainConfig, resume: bool, task: Task, run: RunFolder, display: 
         evaluate = Evaluator(cfg, task, state.tokenizer, state.generator, run.path)
     full = bool(cfg.eval_every)  # sampled as well as greedy; the before/after alone is greedy
     loaded_gb = memory_in_use_gb()  # the model, the engine and the data: what a step's peak stands on
-    done, resume = 0, resume or bool(cfg.forked_from)  # a fork resumes from its parent's checkpoint
-    if resume and checkpoint.candidates(run.path):
-        found, done = checkpoint.load_newest(run.path, state, display.print)
-        if cfg.forked_from:
-            fork.apply_changes(cfg, state.optimizer, state.scheduler)
-        display.print(f"resumed from {found} (step {done})")
-    elif resume:  # it stopped before its first checkpoint
-        display.print(f"{run.path} has no checkpoint yet: starting it from step 0")
-    if resume:  # from step 0, its baseline evaluation is redone too
-        checkpoint.truncate_logs(run.path, done or -1, display.print)
+    done = _resume(cfg, resume, run, state, display)
+    watch = hacking.replay(run.path, task)[0]  # a resumed run's detectors read its logs so far again
 
     if evaluate and done == 0:
         progress(step=0, stage="evaluating before training")
-        display.eval(evaluate(0, full))  # before any training: the baseline every later evaluation is read against
+        watch.evaluation(evaluate(0, full))  # before any training: what every later evaluation is read against
+        display.eval(watch.evals[-1])
 
     objective = L.Objective.of(cfg)  # the loss's fixed settings, bound once
     stop = StopRequest()
@@ -140,15 +133,21 @@ def _train(cfg: TrainConfig, resume: bool, task: Task, run: RunFolder, display: 
                     save(step - 1)
                     raise
                 metrics["mem/loaded_gb"] = loaded_gb
-                run.log(metrics, samples)
                 display.step(metrics)
-                bad_in_a_row = warn_or_stop(cfg, metrics, bad_in_a_row, display, lambda: save(step), run.path)
-                if cfg.sample_every and samples and (step == 1 or step % cfg.sample_every == 0):
-                    display.sample(step, random.Random(step).choice(samples))
                 if evaluate and (step == cfg.steps or (full and step % cfg.eval_every == 0)):
                     progress(step=step, stage="evaluating")
                     stop.where = f"the evaluation after step {step}"
-                    display.eval(evaluate(step, full))
+                    watch.evaluation(evaluate(step, full))
+                    display.eval(watch.evals[-1])
+                gamed = watch.see(metrics, samples)  # before the log: it adds the hacking/* metrics
+                run.log(metrics, samples + [finding.record() for finding in gamed])
+                bad_in_a_row = warn_or_stop(cfg, metrics, bad_in_a_row, display, lambda: save(step), run.path)
+                for finding in gamed:
+                    display.gamed(finding)
+                    if cfg.stop_on_hacking:
+                        stop.request(f"--stop-on-hacking: the {finding.detector} detector fired")
+                if cfg.sample_every and samples and (step == 1 or step % cfg.sample_every == 0):
+                    display.sample(step, random.Random(step).choice(samples))
                 if stop.requested and step < cfg.steps:
                     save(step)
                     halted = step, stop.requested
@@ -170,6 +169,22 @@ def _train(cfg: TrainConfig, resume: bool, task: Task, run: RunFolder, display: 
     display.print(f"adapter saved to {adapter}")
     display.before_after(read_jsonl(run.path / "eval.jsonl"), cfg.eval_data)
     return run.path
+
+
+def _resume(cfg: TrainConfig, resume: bool, run: RunFolder, state: RunState, display: Display) -> int:
+    """Load a resumed (or forked) run's newest checkpoint into `state` and cut its logs back to it; returns
+    the steps it had done."""
+    done, resume = 0, resume or bool(cfg.forked_from)  # a fork resumes from its parent's checkpoint
+    if resume and checkpoint.candidates(run.path):
+        found, done = checkpoint.load_newest(run.path, state, display.print)
+        if cfg.forked_from:
+            fork.apply_changes(cfg, state.optimizer, state.scheduler)
+        display.print(f"resumed from {found} (step {done})")
+    elif resume:  # it stopped before its first checkpoint
+        display.print(f"{run.path} has no checkpoint yet: starting it from step 0")
+    if resume:  # from step 0, its baseline evaluation is redone too
+        checkpoint.truncate_logs(run.path, done or -1, display.print)
+    return done
 
 
 def stopped(run: RunFolder, saved_step: int, how: str, display: Display) -> None:

@@ -34,6 +34,8 @@ def test_train_two_steps_end_to_end(tmp_path, tiny_model_path):
 
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
+    # watched by the gaming detectors from step 2, too soon for one to fire
+    assert "hacking/length" in metrics[1] and not any(k.endswith("/fired") for k in metrics[1])
     for m in metrics:
         assert STEP_KEYS <= m.keys(), STEP_KEYS - m.keys()
         assert 0 <= m["frac_groups_reward_differs"] <= 1 and m["completion_len/max"] <= 24
