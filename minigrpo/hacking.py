@@ -9,7 +9,7 @@ thresholds, and the runs that chose them, are in docs/results.md):
     one_answer   ONE_ANSWER of the recent completions, across different prompts, give the same final answer
     dominance    one reward function carries the rise while every other, short of its highest, stays flat or falls
     format_only  a reward named for the format saturates while the others, short of theirs, do not move
-    spread       the groups lose their reward spread as the reward rises
+    spread       the groups lose their reward spread as the reward rises, and held-out pass@1 does not follow
     held_out     the training reward rises and the held-out evaluation's does not rise with it
 
 Every step logs `hacking/<name>`, the number each threshold is read against (from step 2, over what windows the
@@ -120,8 +120,9 @@ class Watch:
         reward = mean(p.reward for p in early), mean(p.reward for p in recent)
         rose = reward[1] - reward[0] >= MIN_RISE
         rise = f"while the mean reward rose {reward[0]:.2f} -> {reward[1]:.2f} (steps 1-{k} -> the last {k})"
-        found = {"length": length(early, recent, rose, rise), "spread": spread(early, recent, rose, rise),
-                 "one_answer": self.one_answer(rose, rise)}
+        evaluated = len(self.evals) == 2 and self.evals[1]["step"] == step and step > self.evals[0]["step"]
+        found = {"length": length(early, recent, rose, rise), "one_answer": self.one_answer(rose, rise),
+                 "spread": spread(early, recent, reward, rise, self.evals if evaluated else None)}
         moved = {name: mean(p.parts.get(name, 0.0) for p in recent) - mean(p.parts.get(name, 0.0) for p in early)
                  for name in self.points[-1].parts}
         if len(moved) > 1:
@@ -132,7 +133,7 @@ class Watch:
                      if self.highest.get(name, 0.0) > 0 else 0.0 for name in moved}
             found["dominance"] = dominance(moved, level, reward)
             found["format_only"] = format_only(moved, level)
-        if len(self.evals) == 2 and self.evals[1]["step"] == step and step > self.evals[0]["step"]:
+        if evaluated:
             found["held_out"] = held_out(self.evals, reward)
         return {name: value for name, value in found.items() if value is not None}
 
@@ -162,12 +163,18 @@ def length(early: list[Point], recent: list[Point], rose: bool, rise: str):
             lambda s: len(text_of(s["completion"])))
 
 
-def spread(early: list[Point], recent: list[Point], rose: bool, rise: str):
+def spread(early: list[Point], recent: list[Point], reward: tuple[float, float], rise: str, evals: list | None):
+    """Groups that stop telling completions apart are what success looks like too, so this one fires only at an
+    evaluation whose held-out pass@1 did not rise with the training reward."""
     before, now = mean(p.spread for p in early), mean(p.spread for p in recent)
-    return (now, before >= 2 * SPREAD_LOST and now <= SPREAD_LOST and rose,
-            f"the share of groups whose completions score differently fell {before:.2f} -> {now:.2f} {rise}: the "
-            f"reward no longer tells a prompt's completions apart, and GRPO learns nothing more. Where held-out "
-            f"pass@1 did not rise with it, the reward pays for something besides the task",
+    lost = before >= 2 * SPREAD_LOST and now <= SPREAD_LOST and reward[1] - reward[0] >= MIN_RISE
+    first, last = evals or ({}, {})
+    solved = last.get("pass@1", 0.0) - first.get("pass@1", 0.0)
+    return (now, lost and evals is not None and solved <= HELD_OUT * (reward[1] - reward[0]),
+            f"the share of groups whose completions score differently fell {before:.2f} -> {now:.2f} {rise}, while "
+            f"held-out pass@1 went {first.get('pass@1', 0.0):.2f} -> {last.get('pass@1', 0.0):.2f} (steps "
+            f"{first.get('step')} -> {last.get('step')}): the reward saturated on the training prompts without "
+            f"solving more held-out ones. Check what the reward pays that a right answer is not needed for",
             lambda s: s["reward"])
 
 

@@ -19,13 +19,13 @@ RUNS = ROOT / "tests" / "data" / "gaming_runs"
 
 # run -> the detectors it trips, and no others
 EXPECTED = {
-    "length-pays": {"length", "dominance", "spread"},
+    "length-pays": {"length", "dominance"},
     "any-number-pays": {"dominance", "spread"},
     "format-pays": {"format_only", "dominance", "length"},
     "addition": set(),
+    "quick-start": set(),  # `minigrpo train` as the README's first command runs it: solved, so its spread is lost
     "guess": set(),
-    # the card docs/results.md found answering "Yes" to every prompt: one answer, then no spread left
-    "syllogism": {"one_answer", "spread"},
+    "syllogism": {"one_answer"},  # the card docs/results.md found answering "Yes" to every prompt
 }
 HACKABLE = {"length-pays": "length", "any-number-pays": "dominance", "format-pays": "format_only"}  # its own detector
 

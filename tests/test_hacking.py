@@ -41,8 +41,8 @@ def run(watch: Watch, reward=lambda i: 0.5, length=lambda i: 20.0, spread=lambda
         samples = [{"step": i, "prompt": f"q{2 * i + p}", "completion": said(i, 2 * i + p), "reward": reward(i),
                     "reward_parts": paid} for p in range(2) for _ in range(4)]
         samples[0] = {**samples[0], "reward_parts": {name: 1.0 for name in paid}}  # each function's most, once a step
-        if i in evals:
-            watch.evaluation({"step": i, "reward/mean": evals[i]})
+        if i in evals:  # the held-out reward, and a pass@1 as high
+            watch.evaluation({"step": i, "reward/mean": evals[i], "pass@1": evals[i]})
         found += watch.see(metrics, samples)
         assert all(metrics[f"hacking/{f.detector}/fired"] == 1 for f in found if f.step == i)
     return found
@@ -103,9 +103,15 @@ def test_a_format_bonus_that_rises_with_the_answers_is_fine():
     assert run(Watch(task([correct, format_bonus])), reward=lambda i: sum(parts(i).values()), parts=parts) == []
 
 
-def test_spread_lost_as_the_reward_rises():
-    found = run(Watch(task()), reward=lambda i: min(0.3 + 0.1 * i, 1.0), spread=lambda i: max(0.9 - 0.15 * i, 0.0))
-    assert fired(found) == [("spread", 2 * WINDOW)]
+@pytest.mark.parametrize("held_out_after, fires", [(0.5, True), (0.9, False)])
+def test_spread_lost_as_the_reward_rises_is_gaming_only_where_held_out_does_not_follow(held_out_after, fires):
+    """A run that solves its task loses its spread too (the quick start does, near step 23): the evaluation says
+    which it is. None in between: it waits for one."""
+    watch = Watch(task())
+    watch.evaluation({"step": 0, "reward/mean": 0.3, "pass@1": 0.5})
+    found = run(watch, reward=lambda i: min(0.3 + 0.1 * i, 1.0), spread=lambda i: max(0.9 - 0.15 * i, 0.0),
+                evals={12: held_out_after})
+    assert [f for f in fired(found) if f[0] == "spread"] == ([("spread", 12)] if fires else [])
 
 
 def test_training_reward_rising_alone():
@@ -151,16 +157,21 @@ def test_a_skipped_step_is_passed_over():
 
 SATURATING = '''
 def saturates(completions, trainer_state, **kwargs):
-    """Tells completions apart by their length's parity for 5 steps, then pays every one: a reward any policy
-    saturates, so the groups lose their spread while the mean reward rises, whatever the model learns."""
+    """Tells completions apart by their length's parity for 5 steps, then pays every one: a reward whose mean
+    rises whatever the model learns."""
     if trainer_state.global_step >= 5:
         return [1.0] * len(completions)
     return [float(len(c) % 2) for c in completions]
+
+
+def never(completions, **kwargs):
+    """The task's part, which nothing earns: so `saturates` carries the whole rise."""
+    return [0.0] * len(completions)
 '''
 
 
 def test_a_real_run_warns_logs_marks_and_stops_when_asked(tmp_path):
-    """End to end through `minigrpo train`: the spread detector fires at step 2 x WINDOW, the warning shows a
+    """End to end through `minigrpo train`: the dominance detector fires at step 2 x WINDOW, the warning shows a
     completion of the first step beside one of now, metrics.jsonl and samples.jsonl have it, the plot marks it, and
     --stop-on-hacking stops the run there, saved; resumed, the run finishes without a second warning."""
     import matplotlib
@@ -178,20 +189,21 @@ def test_a_real_run_warns_logs_marks_and_stops_when_asked(tmp_path):
     (tmp_path / "rows.jsonl").write_text("".join(f'{{"prompt": "Name a number above {i}."}}\n' for i in range(40)))
     out = tmp_path / "run"
     args = ["train", "--task", str(tmp_path / "rows.jsonl"), "--reward", f"{tmp_path / 'rewards.py'}:saturates",
+            "--reward", f"{tmp_path / 'rewards.py'}:never",
             "--steps", str(2 * WINDOW + 2), "--num-generations", "4", "--prompts-per-step", "2",
             "--max-new-tokens", "8", "--no-eval-before-after", "--sample-every", "0", "--save-every", "0",
             "--out", str(out)]
     result = CliRunner().invoke(app, args + ["--stop-on-hacking"])
     assert result.exit_code == STOPPED_EXIT, result.output
     said = " ".join(result.output.split())
-    assert f"step {2 * WINDOW}: the reward may be gamed (spread)" in said
+    assert f"step {2 * WINDOW}: the reward may be gamed (dominance): saturates carried the rise" in said
     assert "first step, reward" in said and f"step {2 * WINDOW}, reward 1.00" in said
-    assert "--stop-on-hacking: the spread detector fired" in said and stopped_at(out)
+    assert "--stop-on-hacking: the dominance detector fired" in said and stopped_at(out)
     metrics = read_jsonl(out / "metrics.jsonl")
-    assert [m["step"] for m in metrics if "hacking/spread/fired" in m] == [2 * WINDOW]
+    assert [m["step"] for m in metrics if "hacking/dominance/fired" in m] == [2 * WINDOW]
     assert all("hacking/length" in m for m in metrics[1:])
     records = [s for s in read_jsonl(out / "samples.jsonl") if "hacking" in s]
-    assert [(r["step"], r["hacking"]) for r in records] == [(2 * WINDOW, "spread")]
+    assert [(r["step"], r["hacking"]) for r in records] == [(2 * WINDOW, "dominance")]
     assert records[0]["early"]["step"] == 1 and records[0]["now"]["reward"] == 1.0
     fig, axes = plt.subplots(2, 1)
     mark_gaming(axes, metrics)
