@@ -216,10 +216,11 @@ def held_out(evals: list[dict], reward: tuple[float, float]):
             f"rows the reward scores by something besides the answer", lambda s: s["reward"])
 
 
-def replay(folder: Path, task: Task) -> tuple[Watch, list[Finding]]:
-    """Watch a run's logs as the run did, step by step: the watch a resumed run goes on with, and every
-    detector's firing on a finished run (docs/results.md measured its thresholds so)."""
-    watch, found = Watch(task), []
+def replay(folder: Path, task: Task) -> tuple[Watch, list[Finding], list[dict]]:
+    """Watch a run's logs as the run did, step by step: the watch a resumed run goes on with, every detector's
+    firing, and each step's metrics with the `hacking/*` numbers added (docs/results.md measured its thresholds
+    so)."""
+    watch, found, steps = Watch(task), [], []
     evals = {e["step"]: e for e in read_lines(folder / "eval.jsonl")}
     if 0 in evals:
         watch.evaluation(evals[0])
@@ -232,7 +233,8 @@ def replay(folder: Path, task: Task) -> tuple[Watch, list[Finding]]:
         if step in evals:
             watch.evaluation(evals[step])
         found += watch.see(metrics, step_samples[1] if step_samples and step_samples[0] == step else [])
-    return watch, found
+        steps.append(metrics)
+    return watch, found, steps
 
 
 def samples_by_step(path: Path):

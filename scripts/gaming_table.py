@@ -33,19 +33,13 @@ def replayed(folder: Path) -> dict:
     """One run, replayed: what fired and the furthest each number went."""
     cfg = TrainConfig.load(folder / "config.json")
     task = settle.run_task(get_task(cfg.task, cfg.rewards, extra_tools=cfg.tools, environment=cfg.environment), cfg)
-    watch, found = hacking.Watch(task), []
+    watch, found, steps = hacking.replay(folder, task)
     values: dict[str, list[float]] = {}
-    evals = {e["step"]: e for e in hacking.read_lines(folder / "eval.jsonl")}
-    if 0 in evals:
-        watch.evaluation(evals[0])
-    samples = dict(hacking.samples_by_step(folder / "samples.jsonl"))
-    for metrics in hacking.read_lines(folder / "metrics.jsonl"):
-        if metrics["step"] in evals:
-            watch.evaluation(evals[metrics["step"]])
-        found += watch.see(metrics, samples.get(metrics["step"], []))
+    for metrics in steps[2 * hacking.WINDOW - 1:]:  # from the first step a detector may fire
         for key, value in metrics.items():
-            if key.startswith("hacking/") and not key.endswith("/fired") and len(watch.points) >= 2 * hacking.WINDOW:
+            if key.startswith("hacking/") and not key.endswith("/fired"):
                 values.setdefault(key.split("/")[1], []).append(value)
+    evals = {e["step"]: e for e in hacking.read_lines(folder / "eval.jsonl")}
     first, last = (evals[min(evals)], evals[max(evals)]) if evals else (None, None)
     return {"run": folder.name, "task": cfg.task, "rewards": ", ".join(task.reward_names), "steps": len(watch.points),
             "pass@1": f"{first['pass@1']:.2f} -> {last['pass@1']:.2f}" if first else "",

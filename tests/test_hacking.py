@@ -136,9 +136,9 @@ def test_replay_reads_a_run_folder_as_the_run_did(tmp_path):
         samples += s + [f.record() for f in found]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
     (tmp_path / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
-    replayed, found = hacking.replay(tmp_path, task())
+    replayed, found, steps = hacking.replay(tmp_path, task())
     assert fired(found) == [("length", 2 * WINDOW)] and replayed.fired == live.fired == {"length"}
-    assert replayed.points == live.points
+    assert replayed.points == live.points and [m for m in steps] == lines
 
 
 @pytest.mark.parametrize("steps", [1, 2])
