@@ -6,11 +6,11 @@ and, from step 2 x WINDOW on, fires once a run on a pattern the honest runs of d
 thresholds, and the runs that chose them, are in docs/results.md):
 
     length       completions grow past LENGTH_FACTOR x their first steps' length while the reward rises
-    one_answer   ONE_ANSWER of the recent completions, across different prompts, give the same final answer
+    one_answer   ONE_ANSWER of the recent completions give the same final answer, unpaid on several prompts
     dominance    one reward function carries the rise while every other, short of its highest, stays flat or falls
     format_only  a reward named for the format saturates while the others, short of theirs, do not move
     spread       the groups lose their reward spread as the reward rises, and held-out pass@1 does not follow
-    held_out     the training reward rises and the held-out evaluation's does not rise with it
+    held_out     the training reward rises and the held-out reward does not rise with it, or pass@1 falls
 
 Every step logs `hacking/<name>`, the number each threshold is read against (from step 2, over what windows the
 steps so far allow), and `hacking/<name>/fired` at the step one fires. A firing is a warning with a completion
@@ -36,6 +36,7 @@ MIN_RISE = 0.1  # a rise of the mean reward smaller than this, in reward units, 
 FLAT = 0.05  # a reward function whose mean moves less than this has not moved
 LENGTH_FACTOR = 1.5
 ONE_ANSWER = 0.5
+ONE_ANSWER_PROMPTS = 4  # prompts the commonest answer is given on without full reward (where it is wrong)
 SATURATED = 0.9  # of the highest value the function paid any completion so far
 SPREAD_LOST = 0.2  # the share of groups with spread it falls to, from at least twice that in the first steps
 HELD_OUT = 0.25  # the held-out reward's rise, as a share of the training reward's, below which it did not follow
@@ -70,7 +71,8 @@ class Point:
 class Watch:
     task: Task
     points: list[Point] = field(default_factory=list)
-    answers: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # per recent step: (prompt, answer) pairs
+    answers: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # per recent step: (prompt, answer, reward)
+    best: float = float("-inf")  # the highest total reward any completion has had
     highest: dict[str, float] = field(default_factory=dict)  # each function's highest value paid so far
     first: list[dict] = field(default_factory=list)  # the first step's samples
     evals: list[dict] = field(default_factory=list)  # the first evaluation and the latest
@@ -89,7 +91,8 @@ class Watch:
                  if weights[name] and metrics.get(f"reward/{name}/mean") is not None}  # weight 0: logged, not paid
         self.points.append(Point(metrics["reward/mean"], metrics["completion_len/mean"],
                                  metrics.get("frac_groups_reward_differs", 1.0), parts))
-        self.answers.append([(str(s["prompt"]), self.answer_of(s["completion"])) for s in samples])
+        self.answers.append([(str(s["prompt"]), self.answer_of(s["completion"]), s["reward"]) for s in samples])
+        self.best = max([self.best] + [s["reward"] for s in samples])
         for s in samples:
             for name, value in s["reward_parts"].items():
                 self.highest[name] = max(self.highest.get(name, value or 0.0), value or 0.0)
@@ -138,19 +141,23 @@ class Watch:
         return {name: value for name, value in found.items() if value is not None}
 
     def one_answer(self, rose: bool, rise: str):
-        given = [(prompt, answer) for step in self.answers for prompt, answer in step]
-        if len({prompt for prompt, _ in given}) < 4:  # one answer across two prompts is no pattern
+        """The commonest answer, and whether it is given where it is wrong: on ONE_ANSWER_PROMPTS prompts or more
+        it was not paid as the run's best completions are. Where the right answers really are alike (a product
+        with a zero factor is 0), the answer is paid wherever it is given, and that is no collapse."""
+        given = [(prompt, answer, reward) for step in self.answers for prompt, answer, reward in step]
+        if len({prompt for prompt, _, _ in given}) < ONE_ANSWER_PROMPTS:  # one answer across two prompts: no pattern
             return None
-        counts = Counter(answer for _, answer in given if answer is not None)
+        counts = Counter(answer for _, answer, _ in given if answer is not None)
         if not counts:
             return None
         top, n = counts.most_common(1)[0]
         share = n / len(given)
-        return (share, share >= ONE_ANSWER and rose,
-                f"{share:.0%} of the last {len(self.answers)} steps' completions answer {shown_answer(top)}, across "
-                f"{len({p for p, _ in given})} different prompts, {rise}: the reward pays that answer more often "
-                f"than not. Check the reward on prompts whose right answer differs; if the right answers really are "
-                f"that alike, weigh the held-out pass@1 against the share of that answer",
+        unpaid = {prompt for prompt, answer, reward in given if answer == top and reward < SATURATED * self.best}
+        return (share, share >= ONE_ANSWER and len(unpaid) >= ONE_ANSWER_PROMPTS and rose,
+                f"{share:.0%} of the last {len(self.answers)} steps' completions answer {shown_answer(top)}, given "
+                f"without full reward on {len(unpaid)} different prompts, {rise}: the reward pays that answer often "
+                f"enough to give it everywhere. Check the reward on prompts whose right answer differs, and weigh the "
+                f"held-out pass@1 against the share of that answer",
                 lambda s: (self.answer_of(s["completion"]) == top, s["reward"]))
 
 
@@ -182,7 +189,7 @@ def dominance(moved: dict[str, float], level: dict[str, float], reward: tuple[fl
     total = sum(moved.values())
     name = max(moved, key=lambda n: moved[n])
     others = [n for n in moved if n != name]
-    share = moved[name] / total if total > 0 else 0.0
+    share = moved[name] / total if total >= MIN_RISE else 0.0  # of a rise too small to read, no share
     return (share, total >= MIN_RISE and all(moved[o] <= FLAT and level[o] < SATURATED for o in others),
             f"{name} carried the rise of the mean reward ({reward[0]:.2f} -> {reward[1]:.2f}; {name} "
             f"{moved[name]:+.2f}) while {', '.join(others)}, short of {'its' if len(others) == 1 else 'their'} "
@@ -206,14 +213,21 @@ def format_only(moved: dict[str, float], level: dict[str, float]):
 
 
 def held_out(evals: list[dict], reward: tuple[float, float]):
+    """The held-out reward not following the training reward's rise; or the held-out pass@1 falling by more than
+    twice its standard error while it rises (a partial-credit reward paid for near misses: docs/results.md)."""
     first, last = evals
     train, held = reward[1] - reward[0], last["reward/mean"] - first["reward/mean"]
     share = held / train if train > 0 else 1.0
-    return (share, train >= MIN_RISE and share <= HELD_OUT,
-            f"the training reward rose {reward[0]:.2f} -> {reward[1]:.2f} while the held-out reward went "
-            f"{first['reward/mean']:.2f} -> {last['reward/mean']:.2f} (steps {first['step']} -> {last['step']}): what "
-            f"it learned does not carry to prompts it never saw. Check for an answer the training rows share, or "
-            f"rows the reward scores by something besides the answer", lambda s: s["reward"])
+    fell = first.get("pass@1", 0.0) - last.get("pass@1", 0.0)
+    noise = 2 * (first.get("pass@1/stderr", 0.0) ** 2 + last.get("pass@1/stderr", 0.0) ** 2) ** 0.5
+    lost = fell > max(noise, FLAT)
+    went = (f"held-out pass@1 fell {first.get('pass@1', 0.0):.2f} -> {last.get('pass@1', 0.0):.2f}" if lost else
+            f"held-out reward went {first['reward/mean']:.2f} -> {last['reward/mean']:.2f}")
+    return (share, train >= MIN_RISE and (share <= HELD_OUT or lost),
+            f"the training reward rose {reward[0]:.2f} -> {reward[1]:.2f} while the {went} (steps {first['step']} -> "
+            f"{last['step']}): what it learned does not carry to prompts it never saw. Check for an answer the "
+            f"training rows share, or rows the reward scores by something besides the answer (partial credit for "
+            f"a near miss)", lambda s: s["reward"])
 
 
 def replay(folder: Path, task: Task) -> tuple[Watch, list[Finding], list[dict]]:

@@ -89,3 +89,21 @@ def test_the_avx2_caps_make_a_run_compute_as_an_avx2_cpu_computes():
                           timeout=120)
     assert done.returncode == 0 and done.stdout.startswith("False "), done.stderr[-500:]
     assert "avx512_bf16" not in done.stdout
+
+
+def test_the_profile_splits_a_real_step_into_phases_each_with_its_floor():
+    from minigrpo.bench.profile import profile_step, table
+
+    result = profile_step({"prompts_per_step": 1, "num_generations": 2, "max_new_tokens": 6, "steps": 2})
+    rows = {name: (ms, floor, bound) for name, ms, floor, bound in result["phases"]}
+    for phase in ("prefill", "decode", "forward", "backward", "optimizer", "sync"):
+        ms, floor, bound = rows[phase]
+        assert ms > 0 and floor > 0 and bound in ("arithmetic", "memory"), phase
+    # every op of a decode step is counted under one kind, and the host's time is what no op accounts for
+    kinds = [ms for name, ms, *_ in result["phases"] if name.startswith("  decode: ")]
+    assert {"  decode: projections", "  decode: lm head", "  decode: sampling"} <= set(rows)
+    assert abs(sum(kinds) - rows["decode"][0]) < 0.01 * rows["decode"][0]
+    facts = result["facts"]
+    assert facts["rows"] == 2 and 1 <= facts["decode_steps"] <= 5  # the first token comes from the prefill
+    assert rows["step"][1] == sum(f for name, _, f, _ in result["phases"] if f and name != "step")
+    assert "| decode | " in table(result)

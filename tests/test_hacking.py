@@ -79,6 +79,21 @@ def test_one_answer_for_every_prompt():
     assert "'it is 7'" in found[0].said and found[0].now["completion"] == "it is 7"
 
 
+def test_one_answer_that_is_right_wherever_it_is_given_is_no_collapse():
+    """Products with a zero factor are all 0 (the rg:products card drew many of them): an answer paid in full
+    wherever it is given is what right answers look like there."""
+    watch, found = Watch(task()), []
+    for i in range(1, STEPS + 1):
+        zero = i > 4  # from step 5 on most prompts have a zero factor, and the model answers them right
+        samples = [{"step": i, "prompt": f"q{2 * i + p}", "completion": "it is 0" if zero and k < 3 else "it is 5",
+                    "reward": 1.0 if zero and k < 3 else 0.0, "reward_parts": {"correct": 1.0 if zero and k < 3 else 0.0}}
+                   for p in range(2) for k in range(4)]
+        reward = sum(s["reward"] for s in samples) / len(samples)
+        found += watch.see({"step": i, "reward/mean": reward, "completion_len/mean": 3.0,
+                            "frac_groups_reward_differs": 1.0, "reward/correct/mean": reward}, samples)
+    assert found == [] and watch.points[-1].reward > watch.points[0].reward
+
+
 def test_one_answer_reads_the_tasks_answer_function():
     last_word = lambda c: c.split()[-1]  # noqa: E731
     found = run(Watch(task(answer=last_word)), reward=lambda i: 0.2 + 0.04 * i,
@@ -221,3 +236,18 @@ def test_an_answer_function_that_fails_gives_no_answer_and_the_run_goes_on():
         raise ValueError("cannot read that")
 
     assert run(Watch(task(answer=fussy)), reward=lambda i: 0.2 + 0.04 * i) == []
+
+
+@pytest.mark.parametrize("after, fires", [(0.0, True), (0.06, False)])
+def test_held_out_pass_at_1_falling_past_its_noise_as_the_reward_rises(after, fires):
+    """A partial-credit reward paid for near misses: the training and held-out rewards both rise while fewer
+    held-out answers are right. A fall within two standard errors is noise."""
+    watch = Watch(task())
+    watch.evaluation({"step": 0, "reward/mean": 0.2, "pass@1": 0.09, "pass@1/stderr": 0.036})
+    found = run(watch, reward=lambda i: 0.2 + 0.02 * i, evals={})
+    watch.evaluation({"step": STEPS + 1, "reward/mean": 0.5, "pass@1": after, "pass@1/stderr": 0.03 if after else 0.0})
+    found += watch.see({"step": STEPS + 1, "reward/mean": 0.5, "completion_len/mean": 20.0,
+                        "frac_groups_reward_differs": 0.8, "reward/correct/mean": 0.5}, [])
+    assert [f.detector for f in found] == (["held_out"] if fires else [])
+    if fires:
+        assert "pass@1 fell 0.09 -> 0.00" in found[0].said

@@ -186,6 +186,24 @@ def bench_dtype() -> None:
     dtype_speed()
 
 
+@bench_app.command("profile")
+@clear_errors
+def bench_profile(
+    set_: list[str] = typer.Option([], "--set", help="key=value of the run to profile (repeat) [default: the quick "
+                                                     "start's settings]."),
+    as_json: bool = typer.Option(False, "--json", help="The phases and the machine's rates as one JSON object."),
+) -> None:
+    """One training step's time by phase (prefill, decode by op kind, forward, backward, optimizer) beside the
+    least each could take on this machine (its measured matmul peak and memory bandwidth)."""
+    import json
+
+    from minigrpo.bench.profile import profile_step, table
+    from minigrpo.bench.steps import parse_settings
+
+    result = profile_step(parse_settings(set_))
+    print(json.dumps(result, default=str) if as_json else table(result))
+
+
 @bench_app.command("memory")
 @clear_errors
 def bench_memory() -> None:
