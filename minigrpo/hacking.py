@@ -172,12 +172,15 @@ def length(early: list[Point], recent: list[Point], rose: bool, rise: str):
 
 def spread(early: list[Point], recent: list[Point], reward: tuple[float, float], rise: str, evals: list | None):
     """Groups that stop telling completions apart are what success looks like too, so this one fires only at an
-    evaluation whose held-out pass@1 did not rise with the training reward."""
+    evaluation whose held-out pass@1 did not rise with the training reward and is not already solved (SATURATED:
+    a task the greedy model solves from the start, such as `multiply`, leaves pass@1 no room to rise while
+    sampling sharpens toward it)."""
     before, now = mean(p.spread for p in early), mean(p.spread for p in recent)
     lost = before >= 2 * SPREAD_LOST and now <= SPREAD_LOST and reward[1] - reward[0] >= MIN_RISE
     first, last = evals or ({}, {})
     solved = last.get("pass@1", 0.0) - first.get("pass@1", 0.0)
-    return (now, lost and evals is not None and solved <= HELD_OUT * (reward[1] - reward[0]),
+    unsolved = last.get("pass@1", 0.0) < SATURATED
+    return (now, lost and evals is not None and unsolved and solved <= HELD_OUT * (reward[1] - reward[0]),
             f"the share of groups whose completions score differently fell {before:.2f} -> {now:.2f} {rise}, while "
             f"held-out pass@1 went {first.get('pass@1', 0.0):.2f} -> {last.get('pass@1', 0.0):.2f} (steps "
             f"{first.get('step')} -> {last.get('step')}): the reward saturated on the training prompts without "

@@ -1,7 +1,7 @@
 """The gaming detectors' thresholds on the runs that chose them (docs/results.md, "Gaming detectors"): the logs of
 three runs on deliberately hackable rewards and of honest result-card runs, kept in tests/data/gaming_runs and
 replayed step by step as the runs watched themselves. Each hackable reward trips its detector within 30 steps; the
-honest runs trip none, but for the two cards docs/results.md already found answering one answer to every prompt.
+honest runs trip none, but for the three cards docs/results.md found answering one answer to every prompt.
 `python scripts/gaming_table.py tests/data/gaming_runs/*` prints the table."""
 
 from __future__ import annotations
@@ -20,12 +20,22 @@ RUNS = ROOT / "tests" / "data" / "gaming_runs"
 # run -> the detectors it trips, and no others
 EXPECTED = {
     "length-pays": {"length", "dominance"},
-    "any-number-pays": {"dominance", "spread"},
+    "any-number-pays": {"dominance"},  # its held-out pass@1 reads 1.00 throughout: solved, so `spread` stays quiet
     "format-pays": {"format_only", "dominance", "length"},
     "addition": set(),
     "quick-start": set(),  # `minigrpo train` as the README's first command runs it: solved, so its spread is lost
     "guess": set(),
-    "syllogism": {"one_answer"},  # the card docs/results.md found answering "Yes" to every prompt
+    "multiply": set(),  # solved by the greedy model from the start: the spread goes, pass@1 has no room to rise
+    "products": set(),  # "0" to most prompts of some steps: the products with a zero factor, each paid in full
+    "chain-sum": set(),
+    "chain-sum-2d": set(),
+    "basic-arithmetic": set(),
+    "simple-equations": set(),  # partial credit gamed, but its training reward rose under 0.1: missed
+    "number-format": set(),
+    # the cards docs/results.md found answering one answer to every prompt
+    "syllogism": {"one_answer"},
+    "gcd": {"one_answer"},
+    "simple-equations-strict": {"one_answer"},
 }
 HACKABLE = {"length-pays": "length", "any-number-pays": "dominance", "format-pays": "format_only"}  # its own detector
 

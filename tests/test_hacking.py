@@ -118,12 +118,15 @@ def test_a_format_bonus_that_rises_with_the_answers_is_fine():
     assert run(Watch(task([correct, format_bonus])), reward=lambda i: sum(parts(i).values()), parts=parts) == []
 
 
-@pytest.mark.parametrize("held_out_after, fires", [(0.5, True), (0.9, False)])
-def test_spread_lost_as_the_reward_rises_is_gaming_only_where_held_out_does_not_follow(held_out_after, fires):
+@pytest.mark.parametrize("held_out_before, held_out_after, fires", [(0.5, 0.5, True), (0.5, 0.9, False),
+                                                                    (0.95, 0.95, False)])
+def test_spread_lost_as_the_reward_rises_is_gaming_only_where_held_out_does_not_follow(held_out_before,
+                                                                                       held_out_after, fires):
     """A run that solves its task loses its spread too (the quick start does, near step 23): the evaluation says
-    which it is. None in between: it waits for one."""
+    which it is. None in between: it waits for one. A held-out pass@1 solved from the start (`multiply`: the greedy
+    model calls its tool right, sampling sharpens toward it) has no room to rise."""
     watch = Watch(task())
-    watch.evaluation({"step": 0, "reward/mean": 0.3, "pass@1": 0.5})
+    watch.evaluation({"step": 0, "reward/mean": 0.3, "pass@1": held_out_before})
     found = run(watch, reward=lambda i: min(0.3 + 0.1 * i, 1.0), spread=lambda i: max(0.9 - 0.15 * i, 0.0),
                 evals={12: held_out_after})
     assert [f for f in fired(found) if f[0] == "spread"] == ([("spread", 12)] if fires else [])
