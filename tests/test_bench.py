@@ -99,11 +99,8 @@ def test_the_profile_splits_a_real_step_into_phases_each_with_its_floor():
     for phase in ("prefill", "decode", "forward", "backward", "optimizer", "sync"):
         ms, floor, bound = rows[phase]
         assert ms > 0 and floor > 0 and bound in ("arithmetic", "memory"), phase
-    # every op of a decode step is counted under one kind, and the host's time is what no op accounts for
-    kinds = [ms for name, ms, *_ in result["phases"] if name.startswith("  decode: ")]
+    # the decode steps' ops are told apart: the block projections, the lm head (by its shape), the sampler
     assert {"  decode: projections", "  decode: lm head", "  decode: sampling"} <= set(rows)
-    assert abs(sum(kinds) - rows["decode"][0]) < 0.01 * rows["decode"][0]
     facts = result["facts"]
     assert facts["rows"] == 2 and 1 <= facts["decode_steps"] <= 5  # the first token comes from the prefill
-    assert rows["step"][1] == sum(f for name, _, f, _ in result["phases"] if f and name != "step")
     assert "| decode | " in table(result)

@@ -189,6 +189,7 @@ def profile_step(settings: dict | None = None, warmup: int = 1) -> dict:
     steps, profiled: {"phases": [(name, ms, floor ms, bound)], "facts": {...}}."""
     from minigrpo import loss as L
     from minigrpo import settle, update
+    from minigrpo.bench.decode import cpu_model
     from minigrpo.console import quiet_libraries
     from minigrpo.generate import static
     from minigrpo.model import seed_everything
@@ -231,7 +232,7 @@ def profile_step(settings: dict | None = None, warmup: int = 1) -> dict:
     bandwidth = bandwidth_gbs()
     phases = _phases(prof.events(), recorder, wall_ms, peaks, bandwidth)
     return {"phases": phases, "facts": {
-        "cpu": _cpu(), "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+        "cpu": cpu_model(), "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
         "peak_gflops": {str(d).removeprefix("torch."): round(p, 1) for d, p in peaks.items()},
         "bandwidth_gbs": round(bandwidth, 1), "decode_steps": recorder.decode_steps, "rows": recorder.decode_rows,
         "weights_mb": round(recorder.shapes.weight_bytes / 1e6), "completion_tokens": metrics.get("tokens_generated"),
@@ -293,12 +294,6 @@ def _kind(event, vocab: int) -> str:
     if event.name in CASTS:
         return "casts"
     return "other ops"
-
-
-def _cpu() -> str:
-    from minigrpo.bench.decode import cpu_model
-
-    return cpu_model()
 
 
 def table(result: dict) -> str:
