@@ -70,6 +70,7 @@ def or_list(values) -> str:
 
 
 DAY = 86_400  # the longest a reward or tool call may take, in seconds (a far longer wait overflows the timer)
+MICRO_BATCH = {"gpu": 8, "cpu": 4}  # --micro-batch-size's default; a cpu's holds half the activations (docs/speed.md)
 
 
 def knob(default=None, help: str = "", *, panel: str, flag: tuple[str, ...] = (), shown: str | None = None,
@@ -90,10 +91,9 @@ def flag_of(f: dataclasses.Field) -> str:
 
 def python_only(default=None, why: str = "", factory=None):
     """A field no flag sets, and why."""
-    meta = dict(why=why)
     if factory:
-        return field(default_factory=factory, metadata=meta, repr=False)
-    return field(default=default, metadata=meta)
+        return field(default_factory=factory, metadata=dict(why=why), repr=False)
+    return field(default=default, metadata=dict(why=why))
 
 
 # train's --help panels, in the order the fields come
@@ -126,8 +126,7 @@ class TrainConfig:
     # the total reward at which a completion counts as solved; None: the task's own (1.0; reasoning-gym's 1.2)
     solved_reward: float | None = knob(None, "Total reward at which a completion counts as solved (pass@1, "
                                              "--retire-solved).", panel=TASK, shown="the task's own")
-    output_dir: str | None = knob(None, "Run folder.", panel=TASK, flag=("--out",),
-                                  shown="runs/<time>-<model>-<task>")
+    output_dir: str | None = knob(None, "Run folder.", panel=TASK, flag=("--out",), shown="runs/<time>-<model>-<task>")
     seed: int = knob(0, "Seed for data order, sampling and initialisation.", panel=TASK, min=0)
     forked_from: str | None = python_only(None, "set by --fork: RUN@STEP of the checkpoint this run began from")
 
@@ -232,8 +231,9 @@ class TrainConfig:
                                  shown="the task's own held-out split: every source holds out a tenth of its rows, "
                                        "at most 200")
 
-    micro_batch_size: int = knob(8, "Completions per forward/backward pass; gradients accumulate across them.",
-                                 panel=RUN, min=1)
+    micro_batch_size: int | None = knob(None, "Completions per forward/backward pass; gradients accumulate across "
+                                        "them.", panel=RUN, min=1,
+                                        shown="{gpu} on a GPU, {cpu} on a cpu".format(**MICRO_BATCH))
     logprob_chunk_size: int = knob(512, "Completion tokens per lm-head chunk: bounds the logits' memory.", panel=RUN,
                                    min=1)
     save_every: int = knob(10, "Checkpoint every N steps (and at the end; 0: only at the end).", panel=RUN, min=0)
@@ -253,8 +253,7 @@ class TrainConfig:
         for name in ("lora_rank", "learning_rate", "num_generations", "prompts_per_step", "max_new_tokens"):
             if getattr(self, name) is None:
                 setattr(self, name, getattr(p, name))
-        if self.lora_alpha is None:
-            self.lora_alpha = 2 * self.lora_rank
+        self.lora_alpha = 2 * self.lora_rank if self.lora_alpha is None else self.lora_alpha
         if self.advantage == "maxrl":  # its divisor is the group's mean success: no other scale goes with it
             if self.scale_rewards not in (None, "none"):
                 raise ValueError(f"bad config: advantage maxrl divides by the group's mean success, so "
@@ -268,12 +267,13 @@ class TrainConfig:
 
         from minigrpo.hardware import bf16_projections
 
-        if self.load_in_4bit is None:
-            self.load_in_4bit = torch.cuda.is_available()
+        gpu = torch.cuda.is_available()
+        self.load_in_4bit = gpu if self.load_in_4bit is None else self.load_in_4bit
+        if self.micro_batch_size is None:
+            self.micro_batch_size = MICRO_BATCH["gpu" if gpu else "cpu"]
         if self.bf16_base is None:
-            self.bf16_base = bf16_projections(torch.cuda.is_available(), self.dtype, self.load_in_4bit, self.generator)
-        if self.epsilon_high is None:
-            self.epsilon_high = self.epsilon
+            self.bf16_base = bf16_projections(gpu, self.dtype, self.load_in_4bit, self.generator)
+        self.epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
         self.validate()
 
     def validate(self) -> None:

@@ -187,7 +187,7 @@ def rehearse(preset: str, gpu, top_p: float = 1.0, prompt_tokens: int = 192, say
 
     import transformers
 
-    from minigrpo.config import TrainConfig
+    from minigrpo.config import MICRO_BATCH, TrainConfig
     from minigrpo.presets import preset_shape
     from minigrpo.hardware import compute_dtype
     from minigrpo.plan import Settings, StepMemory, make_plan, weights_gb
@@ -197,7 +197,8 @@ def rehearse(preset: str, gpu, top_p: float = 1.0, prompt_tokens: int = 192, say
                          f"rotary embedding asks autocast about the meta device); the plan itself works as it is")
     shape = preset_shape(preset)
     dtype = compute_dtype(gpu, "auto")[0]
-    cfg = TrainConfig(model=preset, top_p=top_p, load_in_4bit=True, gradient_checkpointing=True, bf16_base=False)
+    cfg = TrainConfig(model=preset, top_p=top_p, load_in_4bit=True, gradient_checkpointing=True, bf16_base=False,
+                      micro_batch_size=MICRO_BATCH["gpu"])
     s = dataclasses.replace(Settings.of(cfg, prompt_tokens), generator="hf")  # the fixed-shape decoder's plan
     plan = make_plan(shape, gpu, s, advise=False)
     sizes, nbytes = Sizes.of(shape), dtype.itemsize

@@ -209,3 +209,37 @@ def test_rollouts_of_other_kinds_share_the_held_state(depth_model):
     for temperature, adapters in [(1.0, True), (0.0, True), (1.0, False), (1.0, True), (0.0, False)] * 2:
         static.decode(PROMPTS, Sampling(2, 6, temperature), [511], 0, adapters=adapters)
     assert static.states_built == 1
+
+
+def test_on_a_cpu_the_frozen_weights_are_read_reordered_with_the_same_products():
+    """`fused.pack` reorders a weight for oneDNN's cpu matmul; through it `linear` gives F.linear's product (to
+    float32 rounding) with a bias and at other row counts than the one it was reordered for. Where the kernel is
+    missing, pack says None and linear is F.linear itself."""
+    from torch.nn import functional as F
+    from minigrpo.generate.fused import linear, pack
+
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    packed = pack(weight, 16)
+    if torch.backends.mkldnn.is_available():
+        assert packed is not None
+    for rows in (1, 16, 40):
+        x = torch.randn(rows, 64, generator=g)
+        torch.testing.assert_close(linear(x, weight, bias, packed), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert torch.equal(linear(x, weight, bias, None), F.linear(x, weight, bias))
+
+
+def test_the_decoder_reads_its_projections_reordered_once_per_row_count(depth_model):
+    """Reordered when a state of a new row count is made, not per rollout: a rollout that fits the held state keeps
+    them, one of another row count reorders them for its own."""
+    policy = _policy(depth_model, False)
+    static = StaticDecoder.build(policy)
+    static.decode(PROMPTS, Sampling(4, 4, 0.0), [511], 0)
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    first = static.blocks[0]["qkv"].packed
+    assert first is not None and static.head_packed is not None and static.packed_rows == 8
+    static.decode(PROMPTS, Sampling(4, 4, 1.0), [511], 0)
+    assert static.blocks[0]["qkv"].packed is first
+    static.decode(PROMPTS * 8, Sampling(4, 4, 0.0), [511], 0)
+    assert static.packed_rows == 64 and static.blocks[0]["qkv"].packed is not first

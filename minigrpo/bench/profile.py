@@ -26,7 +26,7 @@ import torch
 from minigrpo.config import TrainConfig
 from minigrpo.generate.fused import Projection
 
-PROJECTIONS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul"}
+PROJECTIONS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "mkldnn::_linear_pointwise"}
 ATTENTION = {"aten::bmm", "aten::baddbmm", "aten::softmax", "aten::_softmax", "aten::index_copy_",
              "aten::index_select", "aten::diag_embed"}
 CASTS = {"aten::to", "aten::_to_copy", "aten::copy_"}

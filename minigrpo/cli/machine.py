@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from minigrpo.cli.flags import config_flags
-from minigrpo.config import TrainConfig
+from minigrpo.config import MICRO_BATCH, TrainConfig
 from minigrpo.errors import clear_errors
 
 machine_app = typer.Typer(rich_markup_mode=None)
@@ -19,7 +19,7 @@ machine_app = typer.Typer(rich_markup_mode=None)
 @clear_errors
 @config_flags("model", "num_generations", "prompts_per_step", "max_new_tokens", "micro_batch_size", "lora_rank",
               "generator", "dtype", "load_in_4bit", "eval_every", "eval_prompts", "eval_samples", "top_p",
-              defaults={"model": "qwen-1.5b", "load_in_4bit": True},
+              defaults={"model": "qwen-1.5b", "load_in_4bit": True, "micro_batch_size": MICRO_BATCH["gpu"]},
               helps={"model": "Preset name, hub id or local folder (only its config is read).",
                      "top_p": "Nucleus sampling threshold (with --rehearse: the log-prob path it sizes)."})
 def plan_command(

@@ -1,5 +1,9 @@
 """The fixed-shape decoder's weights: each block's projections fused, the frozen base dense in the compute
-precision and the LoRA adapters beside it, refreshed in place after each optimizer step (static.py reads them)."""
+precision and the LoRA adapters beside it, refreshed in place after each optimizer step (static.py reads them).
+
+On a cpu the frozen weights are also kept reordered for oneDNN's matmul (`pack`): at a decode step's few rows
+`F.linear` ran a 135M model's block projections at a third of the cpu's peak, the reordered copy at twice that
+(docs/speed.md, "Where a step's time goes"). It costs a second copy of the weights it reorders."""
 
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ class Projection:
         self.bias = None if all(x is None for x in biases) else torch.cat(
             [x if x is not None else w.new_zeros(len(w)) for x, w in zip(biases, weights)]).to(self.weight.dtype)
         self.modules = modules
+        self.packed: torch.Tensor | None = None  # the base's weights reordered for the cpu's matmul (`pack`)
         ranks = [m.lora_A["default"].weight.shape[0] for m in modules] if _has_lora(modules) else []
         self.A = self.B = None
         if ranks:
@@ -56,13 +61,33 @@ class Projection:
             r0, o0 = r0 + r, o0 + out
 
     def __call__(self, x: torch.Tensor, adapters: bool) -> torch.Tensor:
-        if self.weight.dtype == x.dtype:
-            y = F.linear(x, self.weight, self.bias)  # [b, out]
-        else:  # a bf16 projection in a float32 model: multiply in bf16, add the adapter in float32
-            y = F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)  # [b, out]
+        y = linear(x.to(self.weight.dtype), self.weight, self.bias, self.packed).to(x.dtype)  # [b, out]: a bf16
+        # projection in a float32 model multiplies in bf16 and adds its adapter in float32
         if adapters and self.A is not None:
             y = torch.addmm(y, F.linear(x, self.A), self.B)  # [b, out] + [b, R] @ [R, out]
         return y
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b, through `packed` (W as `pack` reordered it) where there is one. x: [b, in] -> [b, out]."""
+    if packed is None:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def pack(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """`weight` [out, in] reordered for oneDNN's cpu matmul at about `rows` rows of input, or None where there is
+    no such kernel: a card, a build without oneDNN, or bf16 on a cpu without AVX-512 (oneDNN refuses it there).
+    The result is opaque: only `linear` reads it."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        torch.ops.mkldnn._linear_pointwise(weight.new_zeros(1, weight.shape[1]), packed, None, "none", [], "")
+    except (AttributeError, RuntimeError, NotImplementedError):  # an op this build lacks, or a dtype refused here
+        return None
+    return packed
 
 
 def _has_lora(modules) -> bool:

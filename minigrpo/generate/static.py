@@ -34,7 +34,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from minigrpo.generate.fused import Projection, dense_copy_gb
+from minigrpo.generate.fused import Projection, dense_copy_gb, linear, pack
 from minigrpo.memory import LENGTH_STEP, prefill_prompts, rows_bucket
 from minigrpo.model import cache_keyword
 from minigrpo.generate.sampling import Sampling, sample
@@ -68,6 +68,8 @@ class StaticDecoder:
                 block[name] = Projection([getattr(getattr(layer, part), n) for n in names], stream)
             self.blocks.append(block)
         self.mixed_bmm = _has_mixed_bmm(inner.device)
+        self.head_packed: torch.Tensor | None = None  # the lm head reordered for the cpu's matmul, as each block's
+        self.packed_rows = 0  # projections are (`fused.pack`), for states of this many rows
         self.held: dict | None = None  # the one state kept: its buffers and, on a card, a graph per kind
         self.states_built = 0  # how many times a batch shape's buffers were made
 
@@ -127,7 +129,7 @@ class StaticDecoder:
             gate, up = gate_up.chunk(2, dim=-1)  # [b, I] each
             x = x + block["down"](F.silu(gate) * up, adapters)  # [b, hidden]
         x = _rms_norm(x, self.inner.model.norm)
-        return F.linear(x, self.inner.get_output_embeddings().weight)  # [b, V]
+        return linear(x, self.inner.get_output_embeddings().weight, None, self.head_packed)  # [b, V]
 
     def _scores(self, mask: torch.Tensor, q: torch.Tensor, keys_t: torch.Tensor) -> torch.Tensor:
         """q k^T / sqrt(hd) + mask, in float32 as SDPA keeps them (a bf16 score near 20 is off by up to 0.06 before
@@ -188,7 +190,21 @@ class StaticDecoder:
         R = rows_bucket(rows)
         self.held = {"eos": tuple(eos_ids), "rows": R, "T": T, "state": self._state(R, T, eos_ids), "graphs": {},
                      "pool": torch.cuda.graph_pool_handle() if self.inner.device.type == "cuda" else None}
+        self._pack(R)
         return self.held
+
+    def _pack(self, rows: int) -> None:
+        """On a cpu, the frozen weights reordered for matmuls of `rows` rows (a no-op where they already are, and
+        on a card, where `pack` gives None)."""
+        if rows == self.packed_rows:
+            return
+        for block in self.blocks:
+            for name in GROUPS:
+                block[name].packed = None  # the old order freed before the new is made
+                block[name].packed = pack(block[name].weight, rows)
+        self.head_packed = None
+        self.head_packed = pack(self.inner.get_output_embeddings().weight, rows)
+        self.packed_rows = rows
 
     def _rotary(self, length: int) -> torch.Tensor:
         """cos and sin of every position up to `length`, from the model's own rotary module (its scaling
