@@ -219,6 +219,7 @@ def train_step(cfg: TrainConfig, objective: L.Objective, step: int, state: RunSt
     # 3. policy update: (reference log-probs,) clipped loss, backward, optimizer, micro-batch by micro-batch
     progress(step=step, stage="update")
     model.train()
+    generator.release()  # what the generator holds only to generate (its engine's or decoder's memory) goes back
     mb = micro_batches(cfg, batch, tokenizer.pad_token_id, model.device)
     update = policy_update(cfg, objective, model, mb, advantages, state.optimizer, state.scaler, entropy.applied())
     update.totals["entropy_coef"] = entropy.applied()

@@ -229,17 +229,24 @@ def test_on_a_cpu_the_frozen_weights_are_read_reordered_with_the_same_products()
     assert torch.equal(linear(x, weight, bias, None), F.linear(x, weight, bias))
 
 
-def test_the_decoder_reads_its_projections_reordered_once_per_row_count(depth_model):
-    """Reordered when a state of a new row count is made, not per rollout: a rollout that fits the held state keeps
-    them, one of another row count reorders them for its own."""
+def test_the_decoder_reorders_its_weights_per_row_count_and_gives_them_back_for_the_update(depth_model):
+    """Reordered for a rollout's row count and kept for the next rollout of that count; one of another count
+    reorders them for its own; `release` (the trainer calls it before each update) drops them, and the next rollout
+    reorders them again and decodes the same tokens."""
     policy = _policy(depth_model, False)
-    static = StaticDecoder.build(policy)
-    static.decode(PROMPTS, Sampling(4, 4, 0.0), [511], 0)
+    generator = HFGenerator(policy, _Pad())
+    static = generator.static
+    first_tokens = generator.generate(PROMPTS, Sampling(4, 4, 0.0)).completion_ids
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN")
     first = static.blocks[0]["qkv"].packed
     assert first is not None and static.head_packed is not None and static.packed_rows == 8
-    static.decode(PROMPTS, Sampling(4, 4, 1.0), [511], 0)
+    generator.generate(PROMPTS, Sampling(4, 4, 1.0))
     assert static.blocks[0]["qkv"].packed is first
-    static.decode(PROMPTS * 8, Sampling(4, 4, 0.0), [511], 0)
+    generator.generate(PROMPTS * 8, Sampling(4, 4, 0.0))
     assert static.packed_rows == 64 and static.blocks[0]["qkv"].packed is not first
+    generator.release()
+    assert static.head_packed is None and all(block[name].packed is None for block in static.blocks for name in block
+                                              if name not in ("norm1", "norm2"))
+    assert generator.generate(PROMPTS, Sampling(4, 4, 0.0)).completion_ids == first_tokens
+    assert static.packed_rows == 8

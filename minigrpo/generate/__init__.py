@@ -32,4 +32,6 @@ class Generator(Protocol):
 
     def sync(self, model) -> None: ...
 
+    def release(self) -> None: ...  # what it holds only to generate goes back while the update runs
+
     def close(self) -> None: ...

@@ -42,6 +42,10 @@ class HFGenerator:
         if self.static is not None:  # the adapter's new weights into the fixed-shape decoder's tensors, in place
             self.static.refresh()
 
+    def release(self) -> None:
+        if self.static is not None:  # its reordered weights (a cpu's), made again at the next rollout
+            self.static.release()
+
     def close(self) -> None:
         self.static = None  # its cache, graphs and (for a 4-bit base) dense weights go back
 

@@ -226,6 +226,9 @@ class VLLMGenerator:
         if not self.asleep:
             self._write_pending()
 
+    def release(self) -> None:
+        """Nothing: on a card the engine sleeps after each generation already (on a cpu it cannot)."""
+
     def cache_gb(self) -> float:
         """The engine's key/value cache, as it allocated it: blocks x tokens a block x layers x keys and values."""
         config = self.llm.llm_engine.vllm_config
