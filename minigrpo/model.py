@@ -88,6 +88,12 @@ def load_base(weights: str, load_in_4bit: bool, dtype: torch.dtype, longest: int
             if type(module) is torch.nn.Linear and name.rpartition(".")[2] in LORA_TARGETS:
                 module.to(torch.bfloat16)
                 module.__class__ = Bf16Linear  # a subclass that adds no state: the layer's weights stay as they are
+        # the rest (embeddings, norms) still view the checkpoint file, mapped into memory, and so hold all of its
+        # pages resident, the float32 projections' too: copied into memory of their own, the file is let go
+        # (0.4 GB less for the 135M model)
+        for tensor in model.parameters():
+            if tensor.dtype == torch.float32:
+                tensor.data = tensor.data.clone()
     return model
 
 

@@ -38,8 +38,10 @@ def micro_batches(cfg: TrainConfig, batch: Groups, pad_id: int, device) -> Micro
     if batch.model_masks is not None:  # tool results and environment text: context only, never trained on
         full_mask &= padded(batch.model_masks, full_mask.shape).bool()  # [B, T]
     sampler = padded(batch.sampler_logps, full_mask.shape) if batch.sampler_logps is not None else None  # [B, T]
-    # micro-batches of similar lengths, so a short completion is not padded to the step's longest
-    by_length = torch.tensor(sorted(range(len(pairs)), key=lambda i: (len(pairs[i][0]) + len(pairs[i][1]), i)))
+    # micro-batches of similar lengths, so a short completion is not padded to the step's longest; the longest
+    # first, so each later micro-batch's tensors fit in the memory the one before freed (shortest first, a cpu's
+    # allocator found no freed block large enough and grew by a micro-batch's activations each time)
+    by_length = torch.tensor(sorted(range(len(pairs)), key=lambda i: (-len(pairs[i][0]) - len(pairs[i][1]), i)))
     chunks = list(by_length.split(cfg.micro_batch_size))
     inputs = [pad_batch([pairs[i] for i in c], pad_id, device) for c in chunks]
     masks = [full_mask[c, :m.shape[1]].to(device) & m for c, (_, _, m) in zip(chunks, inputs)]

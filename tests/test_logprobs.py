@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -177,6 +179,10 @@ def test_bf16_projections_keep_the_adapters_small_additions(tiny_model_path):
     assert projections and all(type(m.base_layer) is Bf16Linear and m.base_layer.weight.dtype == torch.bfloat16
                                for m in projections)
     assert all(p.dtype == torch.float32 for p in mixed.parameters() if p.requires_grad)
+    if Path("/proc/self/maps").exists():  # none views the checkpoint file, which would keep all of it resident
+        files = [[int(end, 16) for end in line.split()[0].split("-")]
+                 for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(".safetensors")]
+        assert not [n for n, p in mixed.named_parameters() if any(a <= p.data_ptr() < b for a, b in files)]
     all_bf16 = load_policy(TrainConfig(lora_rank=4, load_in_4bit=False), tiny_model_path, torch.bfloat16)
     kept, lost = addition_error(mixed), addition_error(all_bf16)
     assert kept < 1e-3 and lost > 0.1, (kept, lost)
