@@ -139,7 +139,8 @@ def test_out_of_memory_is_recognised_and_names_the_settings_to_lower():
         torch.empty(2**50)  # 4 PiB, past any address space: the CPU allocator's own failure, a RuntimeError
     assert is_out_of_memory(caught.value)
     assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
-    advice = out_of_memory_advice(TrainConfig(num_generations=8, max_new_tokens=256, generator="hf"))
+    cfg = TrainConfig(num_generations=8, max_new_tokens=256, micro_batch_size=8, generator="hf")
+    advice = out_of_memory_advice(cfg)
     for setting in ("--num-generations (now 8)", "--max-new-tokens (now 256)", "--micro-batch-size (now 8)",
                     "--resume", "minigrpo bench model --model smollm2-135m"):
         assert setting in advice
