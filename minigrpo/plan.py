@@ -130,6 +130,7 @@ def make_plan(shape, gpu: Gpu | None, s: Settings, vllm_installed: bool = True, 
     # unless it is over half of what is free once the trainer (its CUDA context included) is loaded
     dense *= not gpu or dense <= (total - max(0.0, gpu.taken_gb - CUDA_CONTEXT_GB) - trainer) / 2
     if not gpu:  # and on a cpu its copy of the frozen projections and the lm head reordered for oneDNN's matmul
+        # (dropped while the update runs, so where training is the larger part this over-counts the peak)
         projection_bytes = 2 if s.bf16_base and nbytes == 4 else nbytes
         dense += (sizes.linear * projection_bytes + sizes.vocab * sizes.hidden * nbytes) / GiB
     hf = Plan(name, total, dtype_name(dtype), dtype_reason, "hf", "", trainer + dense, hf_step,

@@ -1,9 +1,10 @@
 """The fixed-shape decoder's weights: each block's projections fused, the frozen base dense in the compute
 precision and the LoRA adapters beside it, refreshed in place after each optimizer step (static.py reads them).
 
-On a cpu the frozen weights are also kept reordered for oneDNN's matmul (`pack`): at a decode step's few rows
-`F.linear` ran a 135M model's block projections at a third of the cpu's peak, the reordered copy at twice that
-(docs/speed.md, "Where a step's time goes"). It costs a second copy of the weights it reorders."""
+On a cpu the frozen weights are also reordered for oneDNN's matmul (`pack`) for each rollout: at a decode step's
+few rows, on an AMD EPYC (Zen 4), `F.linear` ran a 135M model's block projections at a third of the cpu's peak and
+the reordered copy at twice that; on an Intel Xeon, whose plain matmul was already near it, about as fast
+(docs/speed.md, "What each change bought"). It is a second copy of the weights, given back during the update."""
 
 from __future__ import annotations
 
