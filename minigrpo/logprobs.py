@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from minigrpo.generate.sampling import kept_logmass
+from minigrpo.model import cache_keyword
 
 
 class TokenStats(NamedTuple):
@@ -29,17 +30,18 @@ class TokenStats(NamedTuple):
 
 def token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
                 temperature: float = 1.0, chunk_size: int = 512, *, with_entropy: bool = False,
-                entropy_grad: bool = False, top_p: float = 1.0, mask: torch.Tensor | None = None) -> TokenStats:
+                entropy_grad: bool = False, top_p: float = 1.0, mask: torch.Tensor | None = None,
+                shared_prompt: bool = False) -> TokenStats:
     """Log-probs of the last `n_completion` tokens of each row, under `model`, at `temperature`; with
     `with_entropy`, the policy's entropy at each of those positions (detached, unless `entropy_grad`, for a loss
     with an entropy bonus); with `top_p` < 1, the log of the mass a top-p sampler keeps there (no gradient), to put
     a sampler's nucleus log-probs on this side's footing. With `mask` [B, T], only the positions it marks are
-    computed; the others read 0 (and carry no gradient)."""
+    computed; the others read 0 (and carry no gradient). With `shared_prompt`, every row holds the same prompt
+    (one group's completions): `completion_hidden` runs it once."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    hidden = inner.model(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=positions(attention_mask)).last_hidden_state  # [B, L, H]
     B, L = input_ids.shape
-    hidden = hidden[:, L - n_completion - 1:L - 1].reshape(B * n_completion, hidden.shape[-1])  # [B*T, H]: t predicts t
+    hidden = completion_hidden(inner, input_ids, attention_mask, n_completion, shared_prompt)  # [B, T, H]
+    hidden = hidden.reshape(B * n_completion, hidden.shape[-1])  # [B*T, H]: row t predicts token t
     targets = input_ids[:, L - n_completion:].reshape(-1)  # [B*T]
     where = None if mask is None else mask.reshape(-1).nonzero().squeeze(-1)  # [N] the positions computed
     if where is not None:
@@ -68,11 +70,37 @@ def token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
                    temperature: float = 1.0, chunk_size: int = 512, with_entropy: bool = False,
-                   entropy_grad: bool = False, mask: torch.Tensor | None = None):
+                   entropy_grad: bool = False, mask: torch.Tensor | None = None, shared_prompt: bool = False):
     """`token_stats`'s log-probs [B, T] (with `with_entropy`, and its entropies: a pair)."""
     stats = token_stats(model, input_ids, attention_mask, n_completion, temperature, chunk_size,
-                        with_entropy=with_entropy, entropy_grad=entropy_grad, mask=mask)
+                        with_entropy=with_entropy, entropy_grad=entropy_grad, mask=mask, shared_prompt=shared_prompt)
     return (stats.logps, stats.entropy) if with_entropy else stats.logps
+
+
+def completion_hidden(inner, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
+                      shared_prompt: bool = False) -> torch.Tensor:
+    """The last hidden states [B, T, H] that predict each row's last `n_completion` tokens (row t predicts token t).
+
+    With `shared_prompt` (every row the same prompt, so none is padded on the left), the prompt runs once, as one
+    row, and its keys and values are repeated for every row: a group's completions then cost their own tokens
+    only, where each row would otherwise carry the prompt through every projection, forward and backward (at the
+    quick start's lengths about half of a row's tokens are its prompt). Gradients reach the prompt's pass through
+    the repeated cache, summed over the rows, as they would be over the rows' own copies. Under gradient
+    checkpointing a layer drops its cache, so there every row carries its prompt as before."""
+    B, L = input_ids.shape
+    start = L - n_completion - 1  # the prompt's last token predicts the completion's first
+    if shared_prompt and start > 0 and not getattr(inner, "is_gradient_checkpointing", False):
+        from transformers import DynamicCache
+
+        decoder = inner.model
+        cache = {cache_keyword(decoder): DynamicCache(config=inner.config)}
+        decoder(input_ids=input_ids[:1, :start], use_cache=True, **cache)  # [1, Lp - 1]: the prompt, once
+        next(iter(cache.values())).batch_repeat_interleave(B)
+        # right padding only: a real token never attends to the pads after it, so no mask is needed
+        return decoder(input_ids=input_ids[:, start:L - 1], use_cache=True, **cache).last_hidden_state  # [B, T, H]
+    hidden = inner.model(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=positions(attention_mask)).last_hidden_state  # [B, L, H]
+    return hidden[:, start:L - 1]  # [B, T, H]
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float):

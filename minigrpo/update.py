@@ -26,6 +26,7 @@ class MicroBatches:
     full_mask: torch.Tensor  # [B, T]
     lengths: torch.Tensor  # [B] completion lengths
     sampler: torch.Tensor | None  # [B, T] the generator's log-probs, where it reports them
+    shared_prompt: bool = False  # each micro-batch is one group's rows, its prompt run once
 
 
 def micro_batches(cfg: TrainConfig, batch: Groups, pad_id: int, device) -> MicroBatches:
@@ -38,22 +39,28 @@ def micro_batches(cfg: TrainConfig, batch: Groups, pad_id: int, device) -> Micro
     if batch.model_masks is not None:  # tool results and environment text: context only, never trained on
         full_mask &= padded(batch.model_masks, full_mask.shape).bool()  # [B, T]
     sampler = padded(batch.sampler_logps, full_mask.shape) if batch.sampler_logps is not None else None  # [B, T]
-    # micro-batches of similar lengths, so a short completion is not padded to the step's longest; the longest
-    # first, so each later micro-batch's tensors fit in the memory the one before freed (shortest first, a cpu's
-    # allocator found no freed block large enough and grew by a micro-batch's activations each time)
-    by_length = torch.tensor(sorted(range(len(pairs)), key=lambda i: (-len(pairs[i][0]) - len(pairs[i][1]), i)))
-    chunks = list(by_length.split(cfg.micro_batch_size))
+    length = lambda i: len(pairs[i][0]) + len(pairs[i][1])  # noqa: E731
+    # micro-batches of similar lengths, so a short completion is not padded to the step's longest. Without
+    # checkpointing they hold one group each, whose prompt then runs once (logprobs.completion_hidden); with it,
+    # any rows of similar length
+    shared = not cfg.gradient_checkpointing
+    groups = [range(g, min(g + G, len(pairs))) for g in range(0, len(pairs), G)] if shared else [range(len(pairs))]
+    chunks = [chunk for rows in groups
+              for chunk in torch.tensor(sorted(rows, key=lambda i: (-length(i), i))).split(cfg.micro_batch_size)]
+    # the longest first, so each later micro-batch's tensors fit in the memory the one before freed (shortest
+    # first, a cpu's allocator found no freed block large enough and grew by a micro-batch's activations each time)
+    chunks.sort(key=lambda c: (-length(int(c[0])), int(c[0])))
     inputs = [pad_batch([pairs[i] for i in c], pad_id, device) for c in chunks]
     masks = [full_mask[c, :m.shape[1]].to(device) & m for c, (_, _, m) in zip(chunks, inputs)]
-    return MicroBatches(chunks, inputs, masks, full_mask, lengths, sampler)
+    return MicroBatches(chunks, inputs, masks, full_mask, lengths, sampler, shared)
 
 
 def fixed_logps(cfg: TrainConfig, model, mb: MicroBatches, reference: bool) -> list[torch.Tensor]:
     """Per micro-batch [b, n], without gradients: the current policy's, or the reference's (adapters off, or
     the --reference-adapter's weights in their place)."""
     def all_logps():
-        return [token_logprobs(model, ids, att, m.shape[1], cfg.temperature, cfg.logprob_chunk_size, mask=m)
-                for ids, att, m in mb.inputs]
+        return [token_logprobs(model, ids, att, m.shape[1], cfg.temperature, cfg.logprob_chunk_size, mask=m,
+                               shared_prompt=mb.shared_prompt) for ids, att, m in mb.inputs]
 
     with torch.no_grad():
         if not reference:
@@ -103,7 +110,7 @@ def policy_update(cfg: TrainConfig, objective: L.Objective, model, mb: MicroBatc
             top_p = cfg.top_p if mb.sampler is not None and iteration == 0 else 1.0
             logps, entropy, kept = token_stats(model, ids, attention, n, cfg.temperature, cfg.logprob_chunk_size,
                                                with_entropy=True, entropy_grad=entropy_coef > 0,
-                                               top_p=top_p, mask=real)  # [b, n] each
+                                               top_p=top_p, mask=real, shared_prompt=mb.shared_prompt)  # [b, n] each
             old = logps.detach() if old is None else old
             if mb.sampler is not None and iteration == 0:
                 on_trainer_footing[k] = mb.sampler[c, :n].to(logps.device) + kept  # [b, n]

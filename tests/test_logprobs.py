@@ -222,3 +222,57 @@ def test_the_loss_gets_the_samplers_logprobs_where_precision_is_reduced():
                                                   _Pad(), plan, dtype).report_logprobs
                for dtype, bf16_base in [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False)]}
     assert reports == {(torch.float32, False): False, (torch.float32, True): True, (torch.bfloat16, False): True}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_groups_prompt_runs_once_with_the_same_logprobs_and_gradient(tiny_model_path, checkpointing):
+    """One group's completions share their prompt: it runs once, its keys and values repeated for every row, and
+    the log-probs and the adapter's gradient are those of each row carrying its own copy. Under gradient
+    checkpointing (where a layer drops its cache) every row carries it, as before."""
+    policy = load_policy(TrainConfig(lora_rank=4, load_in_4bit=False, bf16_base=False,
+                                     gradient_checkpointing=checkpointing), tiny_model_path, torch.float32)
+    policy.train()
+    for name, p in policy.named_parameters():  # a trained adapter's size, so A's gradients are not zero
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(10, 5000, (9,), generator=g).tolist()
+    rows = [(prompt, torch.randint(10, 5000, (n,), generator=g).tolist()) for n in (6, 11, 3, 8)]
+    ids, attention, mask = pad_batch(rows, 0, "cpu")
+    T = mask.shape[1]
+    seen = []  # the token positions each pass through the decoder embeds
+    hook = policy.get_base_model().model.embed_tokens.register_forward_hook(lambda m, i, o: seen.append(i[0].numel()))
+    values, grads, tokens = {}, {}, {}
+    for shared in (False, True):
+        policy.zero_grad(set_to_none=True)
+        seen.clear()
+        logps = token_logprobs(policy, ids, attention, T, temperature=0.7, chunk_size=5, mask=mask,
+                               shared_prompt=shared)  # [B, T]
+        logps[mask].sum().backward()
+        values[shared], tokens[shared] = logps.detach(), sum(seen)
+        grads[shared] = torch.cat([p.grad.flatten() for p in policy.parameters() if p.requires_grad])
+    hook.remove()
+    assert torch.allclose(values[True][mask], values[False][mask], atol=1e-5)
+    assert (grads[True] - grads[False]).norm() < 5e-4 * grads[False].norm()
+    assert tokens[False] == ids.numel()
+    assert tokens[True] == (ids.numel() if checkpointing else len(prompt) - 1 + len(rows) * T)
+
+
+def test_micro_batches_hold_one_group_each_without_checkpointing():
+    from types import SimpleNamespace
+
+    from minigrpo.update import micro_batches
+
+    G = 4
+    prompts = [[1] * 5, [2] * 3, [3] * 7]
+    completions = [[9] * n for n in (3, 8, 1, 5, 2, 2, 6, 4, 7, 1, 1, 9)]
+    batch = SimpleNamespace(prompt_ids=prompts, completion_ids=completions, truncated=[False] * 12,
+                            model_masks=None, sampler_logps=None)  # what micro_batches reads of a rollout
+    for checkpointing in (False, True):
+        cfg = TrainConfig(num_generations=G, micro_batch_size=3, gradient_checkpointing=checkpointing)
+        mb = micro_batches(cfg, batch, 0, "cpu")
+        assert sorted(int(i) for c in mb.chunks for i in c) == list(range(12))
+        longest = [max(len(prompts[int(i) // G]) + len(completions[int(i)]) for i in c) for c in mb.chunks]
+        assert longest == sorted(longest, reverse=True)  # the longest first
+        one_group = all(len({int(i) // G for i in c}) == 1 for c in mb.chunks)
+        assert mb.shared_prompt == one_group == (not checkpointing)
