@@ -84,7 +84,7 @@ def completion_hidden(inner, input_ids: torch.Tensor, attention_mask: torch.Tens
     With `shared_prompt` (every row the same prompt, so none is padded on the left), the prompt runs once, as one
     row, and its keys and values are repeated for every row: a group's completions then cost their own tokens
     only, where each row would otherwise carry the prompt through every projection, forward and backward (at the
-    quick start's lengths about half of a row's tokens are its prompt). Gradients reach the prompt's pass through
+    `bench trl` setting's lengths, about a third of the update's tokens). Gradients reach the prompt's pass through
     the repeated cache, summed over the rows, as they would be over the rows' own copies. Under gradient
     checkpointing a layer drops its cache, so there every row carries its prompt as before."""
     B, L = input_ids.shape
