@@ -121,7 +121,7 @@ class HeadLogprobs(torch.autograd.Function):
         kept = kept_logmass(logits, targets, top_p, normalizer)  # [c]
         logq = logits.sub_(normalizer[:, None])  # [c, V]: log-probs, in place
         logp = logq.gather(-1, targets[:, None]).squeeze(-1)  # [c]
-        entropy = -(logq.exp() * logq).sum(-1) if with_entropy else torch.zeros_like(logp)  # [c]
+        entropy = -logq.exp().mul_(logq).sum(-1) if with_entropy else torch.zeros_like(logp)  # [c]: one more [c, V]
         ctx.save_for_backward(hidden, weight, bias, targets, normalizer, entropy)
         ctx.temperature, ctx.entropy_grad = temperature, with_entropy and entropy_grad
         ctx.mark_non_differentiable(kept)

@@ -129,10 +129,10 @@ def make_plan(shape, gpu: Gpu | None, s: Settings, vllm_installed: bool = True, 
     # decoder's dense copy of a 4-bit base and its adapter's stacked copy,
     # unless it is over half of what is free once the trainer (its CUDA context included) is loaded
     dense *= not gpu or dense <= (total - max(0.0, gpu.taken_gb - CUDA_CONTEXT_GB) - trainer) / 2
-    if not gpu:  # and on a cpu its copy of the frozen projections and the lm head reordered for oneDNN's matmul
+    if not gpu:  # and on a cpu its copy of the frozen projections and the lm head repacked for the cpu's matmul,
+        # two bytes a weight: float32 ones at half precision for fbgemm (kept), bf16 ones reordered for oneDNN
         # (dropped while the update runs, so where training is the larger part this over-counts the peak)
-        projection_bytes = 2 if s.bf16_base and nbytes == 4 else nbytes
-        dense += (sizes.linear * projection_bytes + sizes.vocab * sizes.hidden * nbytes) / GiB
+        dense += (sizes.linear + sizes.vocab * sizes.hidden) * 2 / GiB
     hf = Plan(name, total, dtype_name(dtype), dtype_reason, "hf", "", trainer + dense, hf_step,
               peak_gb=trainer + dense + hf_step, checkpointing=s.checkpointing, dense_gb=dense)
 

@@ -49,7 +49,7 @@ def test_static_decoding_gives_the_eager_loops_tokens_and_logprobs(depth_model, 
     tokens, logps = static.decode(PROMPTS, sampling, [512], 0)
     assert tokens == eager_tokens and all(len(row) == 20 for row in tokens)
     gap = max(abs(a - b) for x, y in zip(logps, eager_logps) for a, b in zip(x, y))
-    assert gap < 1e-4, gap
+    assert gap < 1e-3, gap  # float32 weights stream at half precision on a cpu (fused.pack): 1.7e-4 here
 
 
 def test_a_finished_row_ends_at_its_eos_while_the_others_go_on(depth_model):
@@ -80,7 +80,7 @@ def test_the_samplers_logprobs_are_the_trainers_and_follow_each_optimizer_step(d
         with torch.no_grad():
             trainer = token_logprobs(policy, ids, attention, mask.shape[1])  # [B, T]
         gap = (trainer[mask] - torch.tensor([x for row in out.sampler_logps for x in row])).abs().max().item()
-        assert gap < 1e-4, (step, gap)
+        assert gap < 1e-3, (step, gap)  # half-precision weights on a cpu (fused.pack); a stale adapter is off by far more
         policy.train()
         optimizer.zero_grad()
         token_logprobs(policy, ids, attention, mask.shape[1])[mask].sum().backward()
@@ -211,42 +211,66 @@ def test_rollouts_of_other_kinds_share_the_held_state(depth_model):
     assert static.states_built == 1
 
 
-def test_on_a_cpu_the_frozen_weights_are_read_reordered_with_the_same_products():
-    """`fused.pack` reorders a weight for oneDNN's cpu matmul; through it `linear` gives F.linear's product (to
-    float32 rounding) with a bias and at other row counts than the one it was reordered for. Where the kernel is
-    missing, pack says None and linear is F.linear itself."""
+def test_on_a_cpu_the_frozen_weights_are_repacked_with_the_same_products():
+    """`fused.pack` packs a float32 weight at half precision for fbgemm, whose products are F.linear's with the
+    weight rounded to fp16 and nothing else rounded, and reorders a bf16 one for oneDNN (F.linear's own products);
+    through either `linear` gives that product with a bias and at other row counts than the one packed for.
+    Where no kernel is, pack says None and linear is F.linear itself."""
     from torch.nn import functional as F
     from minigrpo.generate.fused import linear, pack
 
     g = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
     packed = pack(weight, 16)
-    if torch.backends.mkldnn.is_available():
-        assert packed is not None
+    if "fbgemm" in torch.backends.quantized.supported_engines:
+        assert packed is not None and not isinstance(packed, torch.Tensor)
+        as_fp16 = weight.half().float()
+        assert not torch.equal(as_fp16, weight)  # so the check below can tell the two products apart
+        for rows in (1, 16, 40):
+            x = torch.randn(rows, 64, generator=g)
+            torch.testing.assert_close(linear(x, weight, bias, packed), F.linear(x, as_fp16, bias), rtol=1e-5, atol=1e-5)
+    weight, bias = weight.bfloat16(), bias.bfloat16()
+    packed = pack(weight, 16)  # None where oneDNN has no bf16 kernel (a cpu without AVX-512)
     for rows in (1, 16, 40):
-        x = torch.randn(rows, 64, generator=g)
-        torch.testing.assert_close(linear(x, weight, bias, packed), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+        x = torch.randn(rows, 64, generator=g).bfloat16()
+        torch.testing.assert_close(linear(x, weight, bias, packed), F.linear(x, weight, bias), rtol=2e-2, atol=2e-2)
     assert torch.equal(linear(x, weight, bias, None), F.linear(x, weight, bias))
 
 
-def test_the_decoder_reorders_its_weights_per_row_count_and_gives_them_back_for_the_update(depth_model):
-    """Reordered for a rollout's row count and kept for the next rollout of that count; one of another count
-    reorders them for its own; `release` (the trainer calls it before each update) drops them, and the next rollout
-    reorders them again and decodes the same tokens."""
-    policy = _policy(depth_model, False)
+def test_the_decoder_packs_float32_weights_once_and_keeps_them(depth_model):
+    """A float32 base's half-precision pack serves every row count, so it is made once and kept through rollouts
+    of other row counts and through `release` (the trainer calls it before each update); the tokens stay the same."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        pytest.skip("this torch has no fbgemm")
+    generator = HFGenerator(_policy(depth_model, False), _Pad())
+    static = generator.static
+    first_tokens = generator.generate(PROMPTS, Sampling(4, 4, 0.0)).completion_ids
+    first, head = static.blocks[0]["qkv"].packed, static.head_packed
+    assert first is not None and head is not None and static.packed_rows == 8
+    generator.generate(PROMPTS * 8, Sampling(4, 4, 0.0))
+    generator.release()
+    assert static.blocks[0]["qkv"].packed is first and static.head_packed is head and static.packed_rows == 0
+    assert generator.generate(PROMPTS, Sampling(4, 4, 0.0)).completion_ids == first_tokens
+
+
+def test_the_decoder_reorders_bf16_weights_per_row_count_and_gives_them_back_for_the_update(depth_model):
+    """bf16 projections are reordered for a rollout's row count and kept for the next rollout of that count; one of
+    another count reorders them for its own; `release` drops them, and the next rollout reorders them again and
+    decodes the same tokens."""
+    policy = load_policy(TrainConfig(lora_rank=4, load_in_4bit=False, dtype="float32", bf16_base=True),
+                         depth_model, torch.float32).eval()
     generator = HFGenerator(policy, _Pad())
     static = generator.static
     first_tokens = generator.generate(PROMPTS, Sampling(4, 4, 0.0)).completion_ids
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("this torch has no oneDNN")
     first = static.blocks[0]["qkv"].packed
-    assert first is not None and static.head_packed is not None and static.packed_rows == 8
+    if first is None:
+        pytest.skip("oneDNN has no bf16 matmul on this cpu")
+    assert static.packed_rows == 8
     generator.generate(PROMPTS, Sampling(4, 4, 1.0))
     assert static.blocks[0]["qkv"].packed is first
     generator.generate(PROMPTS * 8, Sampling(4, 4, 0.0))
     assert static.packed_rows == 64 and static.blocks[0]["qkv"].packed is not first
     generator.release()
-    assert static.head_packed is None and all(block[name].packed is None for block in static.blocks for name in block
-                                              if name not in ("norm1", "norm2"))
+    assert all(block[name].packed is None for block in static.blocks for name in block if name not in ("norm1", "norm2"))
     assert generator.generate(PROMPTS, Sampling(4, 4, 0.0)).completion_ids == first_tokens
     assert static.packed_rows == 8

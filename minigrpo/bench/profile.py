@@ -222,7 +222,7 @@ def profile_step(settings: dict | None = None, warmup: int = 1) -> dict:
               (state.generator, "sync", "sync", recorder.sync)]
     if decoder is not None:
         labels += [(decoder, "prefill", "prefill", recorder.prefill), (decoder, "_step", "decode", recorder.decode_step),
-                   (static, "sample", "sampling", None)]
+                   (decoder, "_head", "lm head", None), (static, "sample", "sampling", None)]
     with contextlib.ExitStack() as stack:
         for owner, name, label, count in labels:
             stack.enter_context(recorder.labelled(owner, name, label, count))
@@ -287,8 +287,8 @@ def _inside_label(event) -> bool:
 
 
 def _kind(event, vocab: int) -> str:
-    if event.name == "sampling":
-        return "sampling"
+    if event.name in ("sampling", "lm head"):  # ranges of their own (a packed head's op shows no weight shape)
+        return event.name
     if event.name in PROJECTIONS:
         shapes = getattr(event, "input_shapes", None) or []
         return "lm head" if any(len(s) == 2 and s[0] * s[1] == vocab for s in shapes[1:2]) else "projections"

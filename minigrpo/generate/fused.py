@@ -1,12 +1,19 @@
 """The fixed-shape decoder's weights: each block's projections fused, the frozen base dense in the compute
 precision and the LoRA adapters beside it, refreshed in place after each optimizer step (static.py reads them).
 
-On a cpu the frozen weights are also reordered for oneDNN's matmul (`pack`) for each rollout: at a decode step's
-few rows, on an AMD EPYC (Zen 4), `F.linear` ran a 135M model's block projections at a third of the cpu's peak and
-the reordered copy at twice that; on an Intel Xeon, whose plain matmul was already near it, about as fast
-(docs/speed.md, "What each change bought"). It is a second copy of the weights, given back during the update."""
+On a cpu the frozen weights are also repacked for each rollout (`pack`), a second copy given back during the update.
+A bf16 weight is reordered for oneDNN's matmul: at a decode step's few rows, on an AMD EPYC (Zen 4), `F.linear` ran
+a 135M model's block projections at a third of the cpu's peak and the reordered copy at twice that. A float32
+weight is packed at half precision for fbgemm's fp16 matmul, which converts it back to float32 as it streams it and
+multiplies in float32: a decode step is bound by how fast two cores read weights, and half the bytes made a
+rollout at the `bench trl` setting 1.2x as fast capped at AVX2 (docs/speed.md, "What each change bought").
+The sampler's products then round the weights to fp16's 11 bits (bf16 projections round to 8), a gap to the
+trainer's log-probs the loss corrects for by importance sampling and the run logs (`sampler_logprob_gap/mean`).
+Packing at half precision takes 2.4 s for the 135M model on 2 cores, so that pack is made once and kept."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -71,17 +78,26 @@ class Projection:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b, through `packed` (W as `pack` reordered it) where there is one. x: [b, in] -> [b, out]."""
+    """x W^T + b, through `packed` (W as `pack` repacked it) where there is one. x: [b, in] -> [b, out]."""
     if packed is None:
         return F.linear(x, weight, bias)
+    if not isinstance(packed, torch.Tensor):  # fbgemm's fp16 weight, packed without the bias
+        y = torch.ops.quantized.linear_dynamic_fp16(x, packed)  # [b, out]
+        return y if bias is None else y.add_(bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def pack(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
-    """`weight` [out, in] reordered for oneDNN's cpu matmul at about `rows` rows of input, or None where there is
-    no such kernel: a card, a build without oneDNN, or bf16 on a cpu without AVX-512 (oneDNN refuses it there).
-    The result is opaque: only `linear` reads it."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+def pack(weight: torch.Tensor, rows: int):
+    """`weight` [out, in] repacked for a cpu's matmul at about `rows` rows of input: a float32 one at half precision
+    for fbgemm, another reordered for oneDNN; None where there is no such kernel: a card, a build without them, or
+    bf16 on a cpu without AVX-512 (oneDNN refuses it there). The result is opaque: only `linear` reads it."""
+    if weight.device.type != "cpu":
+        return None
+    if weight.dtype == torch.float32 and "fbgemm" in torch.backends.quantized.supported_engines \
+            and weight.abs().max() < torch.finfo(torch.float16).max:
+        cap_fbgemm_like_torch()
+        return torch.ops.quantized.linear_prepack_fp16(weight, None)
+    if not torch.backends.mkldnn.is_available():
         return None
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
@@ -89,6 +105,23 @@ def pack(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
     except (AttributeError, RuntimeError, NotImplementedError):  # an op this build lacks, or a dtype refused here
         return None
     return packed
+
+
+def lasts(packed) -> bool:
+    """Whether a `pack` serves every row count (fbgemm's does; oneDNN's order is for one), so a decoder keeps it."""
+    return packed is not None and not isinstance(packed, torch.Tensor)
+
+
+def cap_fbgemm_like_torch(env=None) -> None:
+    """fbgemm picks its kernels from the cpu's flags, not from torch's caps: under `ATEN_CPU_CAPABILITY=avx2` (or
+    lower) it is given the same cap, before its first matmul reads it, so a capped run decodes as an AVX2 cpu would.
+
+    >>> env = {"ATEN_CPU_CAPABILITY": "avx2"}; cap_fbgemm_like_torch(env); env["FBGEMM_ENABLE_INSTRUCTIONS"]
+    'AVX2'
+    """
+    env = os.environ if env is None else env
+    if env.get("ATEN_CPU_CAPABILITY", "").lower() in ("default", "avx", "avx2"):
+        env.setdefault("FBGEMM_ENABLE_INSTRUCTIONS", "AVX2")
 
 
 def _has_lora(modules) -> bool:

@@ -34,7 +34,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from minigrpo.generate.fused import Projection, dense_copy_gb, linear, pack
+from minigrpo.generate.fused import Projection, dense_copy_gb, lasts, linear, pack
 from minigrpo.memory import LENGTH_STEP, prefill_prompts, rows_bucket
 from minigrpo.model import cache_keyword
 from minigrpo.generate.sampling import Sampling, sample
@@ -68,8 +68,8 @@ class StaticDecoder:
                 block[name] = Projection([getattr(getattr(layer, part), n) for n in names], stream)
             self.blocks.append(block)
         self.mixed_bmm = _has_mixed_bmm(inner.device)
-        self.head_packed: torch.Tensor | None = None  # the lm head reordered for the cpu's matmul, as each block's
-        self.packed_rows = 0  # projections are (`fused.pack`), for states of this many rows
+        self.head_packed = None  # the lm head repacked for the cpu's matmul, as each block's projections are
+        self.packed_rows = 0  # (`fused.pack`), for states of this many rows
         self.held: dict | None = None  # the one state kept: its buffers and, on a card, a graph per kind
         self.states_built = 0  # how many times a batch shape's buffers were made
 
@@ -128,8 +128,11 @@ class StaticDecoder:
             gate_up = block["gate_up"](_rms_norm(x, block["norm2"]), adapters)  # [b, 2 I]
             gate, up = gate_up.chunk(2, dim=-1)  # [b, I] each
             x = x + block["down"](F.silu(gate) * up, adapters)  # [b, hidden]
-        x = _rms_norm(x, self.inner.model.norm)
-        return linear(x, self.inner.get_output_embeddings().weight, None, self.head_packed)  # [b, V]
+        return self._head(_rms_norm(x, self.inner.model.norm))  # [b, V]
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """The lm head: [b, hidden] -> [b, V] (a method of its own, so `bench profile` can time it)."""
+        return linear(x, self.inner.get_output_embeddings().weight, None, self.head_packed)
 
     def _scores(self, mask: torch.Tensor, q: torch.Tensor, keys_t: torch.Tensor) -> torch.Tensor:
         """q k^T / sqrt(hd) + mask, in float32 as SDPA keeps them (a bf16 score near 20 is off by up to 0.06 before
@@ -193,20 +196,28 @@ class StaticDecoder:
         return self.held
 
     def _pack(self, rows: int) -> None:
-        """On a cpu, the frozen weights reordered for matmuls of `rows` rows (a no-op where they already are, and
-        on a card, where `pack` gives None). 0.1-0.25 s for the 135M model on 2 cores."""
+        """On a cpu, the frozen weights repacked for matmuls of `rows` rows (a no-op where they already are, and on
+        a card, where `pack` gives None). A float32 weight's half-precision pack serves every row count and is made
+        once (2.4 s for the 135M model on 2 cores); a bf16 one's oneDNN order is made per row count (0.1-0.25 s)."""
         if rows != self.packed_rows:
             self.release()  # the old order freed before the new is made
             for projection in (block[name] for block in self.blocks for name in GROUPS):
-                projection.packed = pack(projection.weight, rows)
-            self.head_packed, self.packed_rows = pack(self.inner.get_output_embeddings().weight, rows), rows
+                if not lasts(projection.packed):
+                    projection.packed = pack(projection.weight, rows)
+            if not lasts(self.head_packed):
+                self.head_packed = pack(self.inner.get_output_embeddings().weight, rows)
+            self.packed_rows = rows
 
     def release(self) -> None:
-        """Drop the reordered weights (a second copy of the base's) until the next rollout reorders them again:
-        the update's activations need the room more than a rollout needs the 0.1-0.25 s."""
+        """Drop the reordered bf16 weights (a second copy of the base's) until the next rollout reorders them: the
+        update's activations need the room more than a rollout needs the 0.1-0.25 s. A float32 base's half-precision
+        pack stays (half a copy, which `plan` counts through the update; made again it would cost 2.4 s a step)."""
         for projection in (block[name] for block in self.blocks for name in GROUPS):
-            projection.packed = None
-        self.head_packed, self.packed_rows = None, 0
+            if not lasts(projection.packed):
+                projection.packed = None
+        if not lasts(self.head_packed):
+            self.head_packed = None
+        self.packed_rows = 0
 
     def _rotary(self, length: int) -> torch.Tensor:
         """cos and sin of every position up to `length`, from the model's own rotary module (its scaling
