@@ -7,10 +7,10 @@ import statistics
 from dataclasses import dataclass
 
 GiB = 2**30
-# a chunk's lm-head bytes per vocabulary entry: float32 logits and logsumexp's two temporaries; at top-p < 1 the
-# kept mass of rows bisected over the whole vocabulary (every row, at worst) adds a float and a mask, less the
-# logsumexp's temporaries it comes after (minigrpo/rehearse.py counts both)
-LOGPROB_BYTES = {True: 12, False: 13}  # keyed by top-p == 1
+# a chunk's lm-head bytes per vocabulary entry: float32 logits and one float32 temporary at a time (logsumexp's,
+# then the entropy's p log p, made in one buffer); at top-p < 1 the kept mass of rows bisected over the whole
+# vocabulary (every row, at worst) holds two floats and a mask beside the logits (minigrpo/rehearse.py counts both)
+LOGPROB_BYTES = {True: 8, False: 13}  # keyed by top-p == 1
 
 # The shapes the decoders build, stated here (below them) so that what the plan counts is what they make.
 LENGTH_STEP = 64  # cache lengths are rounded up to this, so rollouts of similar prompts share one graph
