@@ -1,22 +1,23 @@
 """The fixed-shape decoder's weights: each block's projections fused, the frozen base dense in the compute
 precision and the LoRA adapters beside it, refreshed in place after each optimizer step (static.py reads them).
 
-On a cpu the frozen weights are also repacked for each rollout (`pack`), a second copy given back during the update.
-A bf16 weight is reordered for oneDNN's matmul: at a decode step's few rows, on an AMD EPYC (Zen 4), `F.linear` ran
-a 135M model's block projections at a third of the cpu's peak and the reordered copy at twice that. A float32
+On a cpu the frozen weights are also repacked for the cpu's matmul (`pack`), a second copy of them. A float32
 weight is packed at half precision for fbgemm's fp16 matmul, which converts it back to float32 as it streams it and
-multiplies in float32: a decode step is bound by how fast two cores read weights, and half the bytes made a
-rollout at the `bench trl` setting 1.2x as fast capped at AVX2 (docs/speed.md, "What each change bought").
-The sampler's products then round the weights to fp16's 11 bits (bf16 projections round to 8), a gap to the
-trainer's log-probs the loss corrects for by importance sampling and the run logs (`sampler_logprob_gap/mean`).
-Packing at half precision takes 2.4 s for the 135M model on 2 cores, so that pack is made once and kept."""
+multiplies in float32: a decode step is bound by how fast two cores read weights, and half the bytes made a rollout
+at the `bench trl` setting 1.2x as fast capped at AVX2. The sampler's products then round the weights to fp16's 11
+bits (bf16 projections round to 8), a gap to the trainer's log-probs the loss corrects for by importance sampling
+and the run logs (`sampler_logprob_gap/mean`). That pack serves every row count and takes 2.4 s for the 135M model
+on 2 cores, so it is made once and kept. A bf16 weight is reordered for oneDNN's matmul instead (on an AMD EPYC,
+Zen 4, `F.linear` ran a 135M model's block projections at a third of the cpu's peak at a decode step's rows and the
+reordered copy at twice that), for each rollout's row count, and given back during the update (docs/speed.md,
+"What each change bought")."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+from minigrpo.hardware import cap_fbgemm_like_torch
 
 
 def base_weight(linear: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
@@ -95,7 +96,7 @@ def pack(weight: torch.Tensor, rows: int):
         return None
     if weight.dtype == torch.float32 and "fbgemm" in torch.backends.quantized.supported_engines \
             and weight.abs().max() < torch.finfo(torch.float16).max:
-        cap_fbgemm_like_torch()
+        cap_fbgemm_like_torch()  # before fbgemm's first matmul reads its cap
         return torch.ops.quantized.linear_prepack_fp16(weight, None)
     if not torch.backends.mkldnn.is_available():
         return None
@@ -110,18 +111,6 @@ def pack(weight: torch.Tensor, rows: int):
 def lasts(packed) -> bool:
     """Whether a `pack` serves every row count (fbgemm's does; oneDNN's order is for one), so a decoder keeps it."""
     return packed is not None and not isinstance(packed, torch.Tensor)
-
-
-def cap_fbgemm_like_torch(env=None) -> None:
-    """fbgemm picks its kernels from the cpu's flags, not from torch's caps: under `ATEN_CPU_CAPABILITY=avx2` (or
-    lower) it is given the same cap, before its first matmul reads it, so a capped run decodes as an AVX2 cpu would.
-
-    >>> env = {"ATEN_CPU_CAPABILITY": "avx2"}; cap_fbgemm_like_torch(env); env["FBGEMM_ENABLE_INSTRUCTIONS"]
-    'AVX2'
-    """
-    env = os.environ if env is None else env
-    if env.get("ATEN_CPU_CAPABILITY", "").lower() in ("default", "avx", "avx2"):
-        env.setdefault("FBGEMM_ENABLE_INSTRUCTIONS", "AVX2")
 
 
 def _has_lora(modules) -> bool:
