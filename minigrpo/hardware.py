@@ -150,7 +150,7 @@ def bf16_projections(on_gpu: bool, dtype: str, load_in_4bit: bool, generator: st
 
 
 # the caps torch and its libraries honour, below which a cpu's bf16 instructions go unused: oneDNN's ISA (its bf16
-# matmuls), and torch's own kernels' (ATEN_CPU_CAPABILITY: default, avx2 or avx512)
+# matmuls), and torch's own kernels' (ATEN_CPU_CAPABILITY: default, avx2 or avx512; fbgemm is given the latter)
 ONEDNN_BELOW_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
 ATEN_BELOW_AVX512 = ("default", "avx", "avx2")
 
@@ -177,13 +177,9 @@ def cpu_has_bf16(cpuinfo: str | None = None, env: dict | None = None) -> bool:
 
 
 def cap_fbgemm_like_torch(env: dict | None = None) -> None:
-    """fbgemm (the fp16 matmul a cpu decodes float32 weights with: generate/fused.py) picks its kernels from the
-    cpu's flags, not from torch's caps: under `ATEN_CPU_CAPABILITY=avx2` (or lower) it is given the same cap, so a
-    capped run decodes as an AVX2 cpu would. It reads the cap at its first matmul.
-
+    """fbgemm (generate/fused.py's fp16 matmul) reads the cpu's flags, not torch's caps: give it torch's cap.
     >>> env = {"ATEN_CPU_CAPABILITY": "avx2"}; cap_fbgemm_like_torch(env); env["FBGEMM_ENABLE_INSTRUCTIONS"]
-    'AVX2'
-    """
+    'AVX2'"""
     env = os.environ if env is None else env
     if env.get("ATEN_CPU_CAPABILITY", "").lower() in ATEN_BELOW_AVX512:
         env.setdefault("FBGEMM_ENABLE_INSTRUCTIONS", "AVX2")

@@ -68,8 +68,7 @@ class StaticDecoder:
                 block[name] = Projection([getattr(getattr(layer, part), n) for n in names], stream)
             self.blocks.append(block)
         self.mixed_bmm = _has_mixed_bmm(inner.device)
-        self.head_packed = None  # the lm head repacked for the cpu's matmul, as each block's projections are
-        self.packed_rows = 0  # (`fused.pack`), for states of this many rows
+        self.head_packed, self.packed_rows = None, 0  # the lm head repacked as the projections are (`fused.pack`)
         self.held: dict | None = None  # the one state kept: its buffers and, on a card, a graph per kind
         self.states_built = 0  # how many times a batch shape's buffers were made
 
@@ -130,8 +129,7 @@ class StaticDecoder:
             x = x + block["down"](F.silu(gate) * up, adapters)  # [b, hidden]
         return self._head(_rms_norm(x, self.inner.model.norm))  # [b, V]
 
-    def _head(self, x: torch.Tensor) -> torch.Tensor:
-        """The lm head: [b, hidden] -> [b, V] (a method of its own, so `bench profile` can time it)."""
+    def _head(self, x: torch.Tensor) -> torch.Tensor:  # [b, hidden] -> [b, V]: its own method, for `bench profile`
         return linear(x, self.inner.get_output_embeddings().weight, None, self.head_packed)
 
     def _scores(self, mask: torch.Tensor, q: torch.Tensor, keys_t: torch.Tensor) -> torch.Tensor:
@@ -196,28 +194,21 @@ class StaticDecoder:
         return self.held
 
     def _pack(self, rows: int) -> None:
-        """On a cpu, the frozen weights repacked for matmuls of `rows` rows (a no-op where they already are, and on
-        a card, where `pack` gives None). A float32 weight's half-precision pack serves every row count and is made
-        once (2.4 s for the 135M model on 2 cores); a bf16 one's oneDNN order is made per row count (0.1-0.25 s)."""
+        """On a cpu, the frozen weights repacked for `rows` rows (a no-op on a card): a float32 weight's pack serves
+        every row count and is kept (2.4 s for the 135M model), a bf16 one's is made per row count (0.1-0.25 s)."""
         if rows != self.packed_rows:
             self.release()  # the old order freed before the new is made
-            for projection in (block[name] for block in self.blocks for name in GROUPS):
-                if not lasts(projection.packed):
-                    projection.packed = pack(projection.weight, rows)
-            if not lasts(self.head_packed):
-                self.head_packed = pack(self.inner.get_output_embeddings().weight, rows)
-            self.packed_rows = rows
+            for p in (block[name] for block in self.blocks for name in GROUPS):
+                p.packed = p.packed if lasts(p.packed) else pack(p.weight, rows)
+            head = self.inner.get_output_embeddings().weight
+            self.head_packed, self.packed_rows = self.head_packed if lasts(self.head_packed) else pack(head, rows), rows
 
     def release(self) -> None:
-        """Drop the reordered bf16 weights (a second copy of the base's) until the next rollout reorders them: the
-        update's activations need the room more than a rollout needs the 0.1-0.25 s. A float32 base's half-precision
-        pack stays (half a copy, which `plan` counts through the update; made again it would cost 2.4 s a step)."""
-        for projection in (block[name] for block in self.blocks for name in GROUPS):
-            if not lasts(projection.packed):
-                projection.packed = None
-        if not lasts(self.head_packed):
-            self.head_packed = None
-        self.packed_rows = 0
+        """Drop the reordered bf16 weights until the next rollout reorders them: the update's activations need the
+        room more than a rollout needs the 0.1-0.25 s. A half-precision pack stays (half a copy, counted by `plan`)."""
+        for p in (block[name] for block in self.blocks for name in GROUPS):
+            p.packed = p.packed if lasts(p.packed) else None
+        self.head_packed, self.packed_rows = self.head_packed if lasts(self.head_packed) else None, 0
 
     def _rotary(self, length: int) -> torch.Tensor:
         """cos and sin of every position up to `length`, from the model's own rotary module (its scaling
