@@ -274,7 +274,7 @@ def _trainer_parts(policy, lora: list, counter: LiveBytes, cfg, s, memory, dtype
     scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)  # a T4 scales float16 losses
     planned = memory.training_gb(micro, Lp, T) + sizes.lora_per_rank * cfg.lora_rank * 4 / GiB  # and gradients
     objective = Objective.of(cfg)
-    update = lambda: policy_update(cfg, objective, policy, mb, torch.zeros(micro), optimizer, scaler)  # noqa: E731
+    update = lambda: policy_update(cfg, objective, policy, mb, torch.ones(micro), optimizer, scaler)  # noqa: E731
     row(f"one micro-batch's update ({micro} rows: log-probs, loss, backward, AdamW)", peak_above(counter, update),
         planned)
     sft = lambda: sft_step(cfg, policy, [([0] * Lp, [0] * T)] * micro, 0, optimizer, scaler)  # noqa: E731

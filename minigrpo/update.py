@@ -103,14 +103,17 @@ def policy_update(cfg: TrainConfig, objective: L.Objective, model, mb: MicroBatc
     on_trainer_footing = [None] * n_chunks
     for iteration in range(cfg.num_iterations):
         last = iteration == cfg.num_iterations - 1
-        pass_loss = 0.0
+        pass_loss, learned = 0.0, False
         for k, (c, (ids, attention, real), mask, old, ref) in enumerate(
                 zip(mb.chunks, mb.inputs, mb.masks, old_logps, ref_logps)):
             n = mask.shape[1]
             top_p = cfg.top_p if mb.sampler is not None and iteration == 0 else 1.0
-            logps, entropy, kept = token_stats(model, ids, attention, n, cfg.temperature, cfg.logprob_chunk_size,
-                                               with_entropy=True, entropy_grad=entropy_coef > 0,
-                                               top_p=top_p, mask=real, shared_prompt=mb.shared_prompt)  # [b, n] each
+            # rows that scored alike (advantage 0 throughout) are measured for the metrics, never back-propagated
+            learns = L.carries_gradient(objective, advantages[c], entropy_coef)
+            with torch.set_grad_enabled(learns):
+                logps, entropy, kept = token_stats(model, ids, attention, n, cfg.temperature, cfg.logprob_chunk_size,
+                                                   with_entropy=True, entropy_grad=entropy_coef > 0, top_p=top_p,
+                                                   mask=real, shared_prompt=mb.shared_prompt)  # [b, n] each
             old = logps.detach() if old is None else old
             if mb.sampler is not None and iteration == 0:
                 on_trainer_footing[k] = mb.sampler[c, :n].to(logps.device) + kept  # [b, n]
@@ -121,7 +124,9 @@ def policy_update(cfg: TrainConfig, objective: L.Objective, model, mb: MicroBatc
                                     sampler_logps=sampler, selected=selected, entropy=entropy,
                                     entropy_coef=entropy_coef)
             weight = L.microbatch_weight(mask, mb.full_mask, objective.aggregation)
-            scaler.scale(loss * weight).backward()
+            if learns:
+                scaler.scale(loss * weight).backward()
+                learned = True
             pass_loss += loss.item() * weight
             if last:  # report the last pass
                 share = mask.sum().item() / all_tokens
@@ -134,6 +139,8 @@ def policy_update(cfg: TrainConfig, objective: L.Objective, model, mb: MicroBatc
                 update.weight_sum += log_weight.exp().sum().item()
                 update.gap_max = max(update.gap_max, log_weight.abs().max().item()) if log_weight.numel() \
                     else update.gap_max
+        if not learned:  # every group scored alike: a zero loss gives AdamW the zero gradients a backward would
+            scaler.scale(sum(p.sum() for group in optimizer.param_groups for p in group["params"]) * 0.0).backward()
         grad_norm, outcome = apply_update(optimizer, scaler, cfg.max_grad_norm, pass_loss)
         update.grad_norms.append(grad_norm)
         update.overflows += outcome == "overflow"

@@ -83,6 +83,60 @@ def test_importance_weights_are_one_when_sampler_and_trainer_are_one_policy_at_t
     assert update.gap_sum / tokens < 1e-3 and update.gap_max < 1e-2, (update.gap_sum / tokens, update.gap_max)
 
 
+
+def test_a_group_that_scored_alike_is_measured_but_not_back_propagated(tiny, monkeypatch):
+    """Rows whose advantages are all 0 add exactly nothing to the gradient (no KL, no entropy bonus), so the update
+    runs their forward without autograd and no backward. Two steps, one with a group that scored alike and one where
+    every group did, give the adapter, loss and metrics of the update that back-propagates everything, bit for bit:
+    the second step moves AdamW on zero gradients, as a zero loss would."""
+    from minigrpo import loss as L
+    from minigrpo.loss import Objective
+    from minigrpo.update import micro_batches, policy_update
+
+    policy, tokenizer = tiny
+    cfg = TrainConfig(lora_rank=8, load_in_4bit=False, dtype="float32", bf16_base=False, num_generations=4,
+                      prompts_per_step=2, max_new_tokens=12, micro_batch_size=4)
+    prompt_ids = _prompt_ids(tokenizer, ["Tell me a story about a cat.", "What is 3 + 5?"])
+    torch.manual_seed(0)
+    out = HFGenerator(policy, tokenizer, decoder="eager").generate(prompt_ids, Sampling(4, 12, 1.0, 1.0))
+    batch = Groups([{"prompt": "a"}, {"prompt": "b"}], prompt_ids, out.completion_ids, [""] * 8, out.truncated,
+                   None, Scores([0.0] * 8, {}))
+    mb = micro_batches(cfg, batch, tokenizer.pad_token_id, policy.device)
+    steps = [torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, 0.0, 0.0, 0.0]), torch.zeros(8)]
+    lora = lora_parameters(policy)
+    start = [p.detach().clone() for p in lora]
+    graded_forwards = []
+    hook = policy.get_base_model().model.register_forward_hook(
+        lambda *_: graded_forwards.append(torch.is_grad_enabled()))
+
+    def run(skipping: bool):
+        if not skipping:
+            monkeypatch.setattr(L, "carries_gradient", lambda *args, **kwargs: True)
+        with torch.no_grad():
+            for p, s in zip(lora, start):
+                p.copy_(s)
+        optimizer = torch.optim.AdamW(lora, lr=1e-3)
+        graded_forwards.clear()
+        policy.train()
+        updates, moved = [], []
+        for advantages in steps:
+            before = [p.detach().clone() for p in lora]
+            u = policy_update(cfg, Objective.of(cfg), policy, mb, advantages, optimizer,
+                              torch.amp.GradScaler("cpu", enabled=False))
+            updates.append((u.totals, u.grad_norm))
+            moved.append(any(not torch.equal(p, b) for p, b in zip(lora, before)))
+        monkeypatch.undo()
+        return [p.detach().clone() for p in lora], updates, moved, sum(graded_forwards)
+
+    try:
+        skipped, everything = run(skipping=True), run(skipping=False)
+    finally:
+        hook.remove()
+        policy.eval()
+    assert everything[3] == 4 * skipped[3] > 0  # one micro-batch of four back-propagated, against all four
+    assert all(torch.equal(a, b) for a, b in zip(skipped[0], everything[0]))
+    assert skipped[1] == everything[1] and skipped[2] == everything[2] == [True, True]
+
 # --- a closed engine gives everything back; float16 is judged before any engine starts -----------------------
 
 def test_a_closed_engine_leaves_nothing_frozen_or_alive_and_a_second_one_starts(tiny_model_path, monkeypatch):

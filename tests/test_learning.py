@@ -18,22 +18,25 @@ from minigrpo import TrainConfig, train
 def test_grpo_lifts_held_out_reward_on_cpu(tmp_path):
     run = train(TrainConfig(model="smollm2-135m", task="addition", steps=30, eval_every=30, eval_prompts=64,
                             eval_samples=4, sample_every=0, save_every=0, seed=0, output_dir=str(tmp_path / "run")))
-    assert_rise(run, at_least=0.40)  # +0.61 to +0.75 in five seeds at the preset's rate, +0.25 to +0.49 at half it
+    # +0.61 to +0.75 in five seeds at the preset's rate on Zen 4 (+0.73 at seed 0), but seed 0 on another CPU of this
+    # kind rose +0.40: one seed cannot tell the preset's rate from half it (+0.25 to +0.49), only that it learns
+    assert_rise(run, at_least=0.30)
 
 
 @pytest.mark.slow
 def test_grpo_lifts_held_out_episode_reward_on_cpu(tmp_path):
     """Episodes of up to four turns with the environment answering each; the reward is 1 for finding the
-    number, else up to 0.5 for how close the last guess came. 985 s on 2 cores of an AMD EPYC with AVX512-BF16 (the
-    two evaluations play 64 games each, greedy and 4 samples)."""
+    number, else up to 0.5 for how close the last guess came. The two evaluations play 64 games each, greedy and 4
+    samples: 578 s in all on 2 cores of an AMD EPYC with AVX512-BF16, half of it evaluating (at 2 samples the rise,
+    on another random path, stood 4.7 standard errors clear, too near the bound below to keep)."""
     run = train(TrainConfig(model="smollm2-135m", task="guess", max_new_tokens=16, steps=30, eval_every=30,
                             eval_prompts=64, eval_samples=4, sample_every=0, save_every=0, seed=0,
                             output_dir=str(tmp_path / "run")))
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert max(s["episode/turns"] for s in steps) > 1  # the game went past its first guess
-    assert_rise(run, at_least=0.10)  # +0.49 (0.328 -> 0.819) on 2 cores with AVX512-BF16
+    assert_rise(run, at_least=0.10)  # +0.38 (0.306 -> 0.686, 8.8 standard errors) on 2 cores with AVX512-BF16
     evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
-    # the greedy player follows the hints: 0.078 -> 0.672 here, +0.66 to +0.73 in three seeds of docs/cards
+    # the greedy player follows the hints: 0.078 -> 0.656 here, +0.66 to +0.73 in three seeds of docs/cards
     assert evals[-1]["pass@1"] - evals[0]["pass@1"] >= 0.25
 
 

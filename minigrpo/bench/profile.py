@@ -226,6 +226,7 @@ def profile_step(settings: dict | None = None, warmup: int = 1) -> dict:
     with contextlib.ExitStack() as stack:
         for owner, name, label, count in labels:
             stack.enter_context(recorder.labelled(owner, name, label, count))
+        stack.enter_context(every_row_back_propagated())
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
             started = time.perf_counter()
             metrics, _ = train_step(cfg, objective, warmup + 1, state, task)
@@ -240,6 +241,19 @@ def profile_step(settings: dict | None = None, warmup: int = 1) -> dict:
         "bandwidth_gbs": round(bandwidth, 1), "decode_steps": recorder.decode_steps, "rows": recorder.decode_rows,
         "weights_mb": round(recorder.shapes.weight_bytes / 1e6), "completion_tokens": metrics.get("tokens_generated"),
         "step_s": round(wall_ms / 1e3, 2)}}
+
+
+@contextlib.contextmanager
+def every_row_back_propagated():
+    """The profiled step back-propagates every micro-batch, as if each group's rewards differed (a run skips the
+    backward of a group that scored alike, `loss.carries_gradient`), so its backward is a whole step's."""
+    from minigrpo import loss as L
+
+    original, L.carries_gradient = L.carries_gradient, lambda *args, **kwargs: True
+    try:
+        yield
+    finally:
+        L.carries_gradient = original
 
 
 def _phases(events, recorder: Recorder, wall_ms: float, peaks: dict, bandwidth: float) -> list[tuple]:
