@@ -110,7 +110,6 @@ def groups_with_spread(rewards: torch.Tensor, group_size: int, estimator: str = 
     return differs & (grouped.mean(dim=1) > eps) if estimator == "maxrl" else differs  # [P]
 
 
-
 def carries_gradient(objective: "Objective", advantages: torch.Tensor, entropy_coef: float = 0.0) -> bool:
     """Whether rows with these advantages [b] put anything into the gradient. Without a KL or an entropy bonus a
     row's loss is its advantage times a factor, so rows whose advantages are all 0 (a group that scored alike) give
@@ -122,6 +121,7 @@ def carries_gradient(objective: "Objective", advantages: torch.Tensor, entropy_c
     (True, True)
     """
     return objective.beta > 0 or entropy_coef > 0 or bool(advantages.ne(0).any())  # a NaN counts: it must be seen
+
 
 @dataclass(frozen=True)
 class Objective:

@@ -83,13 +83,12 @@ def test_importance_weights_are_one_when_sampler_and_trainer_are_one_policy_at_t
     assert update.gap_sum / tokens < 1e-3 and update.gap_max < 1e-2, (update.gap_sum / tokens, update.gap_max)
 
 
-
 def test_a_group_that_scored_alike_is_measured_but_not_back_propagated(tiny, monkeypatch):
     """Rows whose advantages are all 0 add exactly nothing to the gradient (no KL, no entropy bonus), so the update
     runs their forward without autograd and no backward. Two steps, one with a group that scored alike and one where
     every group did, give the adapter, loss and metrics of the update that back-propagates everything, bit for bit:
     the second step moves AdamW on zero gradients, as a zero loss would."""
-    from minigrpo import loss as L
+    from minigrpo import update
     from minigrpo.loss import Objective
     from minigrpo.update import micro_batches, policy_update
 
@@ -111,7 +110,7 @@ def test_a_group_that_scored_alike_is_measured_but_not_back_propagated(tiny, mon
 
     def run(skipping: bool):
         if not skipping:
-            monkeypatch.setattr(L, "carries_gradient", lambda *args, **kwargs: True)
+            monkeypatch.setattr(update.L, "carries_gradient", lambda *args, **kwargs: True)  # the loss it calls
         with torch.no_grad():
             for p, s in zip(lora, start):
                 p.copy_(s)
@@ -136,6 +135,7 @@ def test_a_group_that_scored_alike_is_measured_but_not_back_propagated(tiny, mon
     assert everything[3] == 4 * skipped[3] > 0  # one micro-batch of four back-propagated, against all four
     assert all(torch.equal(a, b) for a, b in zip(skipped[0], everything[0]))
     assert skipped[1] == everything[1] and skipped[2] == everything[2] == [True, True]
+
 
 # --- a closed engine gives everything back; float16 is judged before any engine starts -----------------------
 

@@ -247,7 +247,7 @@ def profile_step(settings: dict | None = None, warmup: int = 1) -> dict:
 def every_row_back_propagated():
     """The profiled step back-propagates every micro-batch, as if each group's rewards differed (a run skips the
     backward of a group that scored alike, `loss.carries_gradient`), so its backward is a whole step's."""
-    from minigrpo import loss as L
+    from minigrpo.update import L  # the loss module the update calls
 
     original, L.carries_gradient = L.carries_gradient, lambda *args, **kwargs: True
     try:
