@@ -152,10 +152,11 @@ def make_generator(cfg, model, tokenizer, plan, dtype: torch.dtype, say=print) -
     """The generator the plan chose (`plan.make_plan`). With `--generator auto`, an engine that fails to
     start (an unsupported card, driver or vLLM version) gives way to transformers generation, with one line
     saying why; with `--generator vllm` the failure stops the run."""
-    # in float32 our decode loop's log-probs are the trainer's. with bf16 projections in a float32 model, a one-token
-    # step and a whole-sequence forward round to bf16 differently now and then (0.015 nats a token on the tiny model;
-    # fp32, and all-bf16 on a cpu, 0.0000), and a card's bf16 and fp16 kernels are picked by shape: so there the
-    # sampler's own log-probs go to the loss, which corrects for the gap (truncated importance sampling) and logs it
+    # in float32 our eager decode loop's log-probs are the trainer's (a cpu's fixed-shape decoder reads float32
+    # weights at half precision, and its generator then reports them itself). with bf16 projections in a float32
+    # model, a one-token step and a whole-sequence forward round to bf16 differently now and then (0.015 nats a token
+    # on the tiny model; all-bf16 on a cpu, 0.0000), and a card's bf16 and fp16 kernels are picked by shape: so there
+    # the sampler's own log-probs go to the loss, which corrects for the gap (truncated importance sampling) and logs it
     exact = dtype == torch.float32 and not cfg.bf16_base
     if plan.generator == "hf":
         return HFGenerator(model, tokenizer, report_logprobs=not exact, decoder=cfg.decoder, say=say)

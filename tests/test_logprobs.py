@@ -210,8 +210,9 @@ class _Pad:  # what HFGenerator reads from a tokenizer
 
 
 def test_the_loss_gets_the_samplers_logprobs_where_precision_is_reduced():
-    """In float32 our decode loop's log-probs are the trainer's; in bf16, fp16 or with bf16 projections they can
-    differ, so the generator reports its own for the loss to correct (truncated importance sampling) and log."""
+    """In float32 the eager decode loop's log-probs are the trainer's; in bf16, fp16 or with bf16 projections they
+    can differ, so the generator reports its own for the loss to correct (truncated importance sampling) and log
+    (the fixed-shape decoder's generator reports them itself where it rounds the weights: test_static_decode)."""
     from types import SimpleNamespace
 
     from minigrpo.startup import make_generator

@@ -63,6 +63,19 @@ def test_a_finished_row_ends_at_its_eos_while_the_others_go_on(depth_model):
     assert tokens == eager and len(tokens[0]) == probe[0].index(eos) + 1 and tokens[0][-1] == eos
 
 
+def test_a_decoder_reading_float32_weights_at_half_precision_reports_its_logprobs(depth_model):
+    """On a cpu the fixed-shape decoder streams float32 weights at half precision (`fused.pack`): its log-probs are
+    not the trainer's, so its generator hands them to the loss (which corrects for the gap) and the run's log, asked
+    or not. The eager loop reads the trainer's own float32 modules: nothing to correct, nothing reported."""
+    policy = _policy(depth_model, False)
+    rounds = "fbgemm" in torch.backends.quantized.supported_engines  # an x86 torch: every one this project runs on
+    out = HFGenerator(policy, _Pad()).generate(PROMPTS, Sampling(2, 6))
+    assert (out.sampler_logps is not None) == rounds
+    assert HFGenerator(policy, _Pad(), decoder="eager").generate(PROMPTS, Sampling(2, 6)).sampler_logps is None
+    if rounds:
+        assert [len(row) for row in out.sampler_logps] == [len(row) for row in out.completion_ids]
+
+
 def test_the_samplers_logprobs_are_the_trainers_and_follow_each_optimizer_step(depth_model):
     """After each optimizer step `sync` refreshes the adapter in place: the next rollout's log-probs are the
     updated trainer's, the fused tensors are the same ones (a captured graph reads them), and no state or graph

@@ -50,6 +50,7 @@ class Projection:
             [x if x is not None else w.new_zeros(len(w)) for x, w in zip(biases, weights)]).to(self.weight.dtype)
         self.modules = modules
         self.packed: torch.Tensor | None = None  # the base's weights reordered for the cpu's matmul (`pack`)
+        self.rounds = at_half_precision(self.weight)  # then its products are not quite the trainer's
         ranks = [m.lora_A["default"].weight.shape[0] for m in modules] if _has_lora(modules) else []
         self.A = self.B = None
         if ranks:
@@ -88,14 +89,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def at_half_precision(weight: torch.Tensor) -> bool:
+    """Whether `pack` streams `weight` at half precision (fbgemm's fp16 matmul): a float32 weight on a cpu whose
+    torch has fbgemm, within fp16's range. The sampler's log-probs are then not quite the trainer's."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32
+            and "fbgemm" in torch.backends.quantized.supported_engines
+            and bool(weight.abs().max() < torch.finfo(torch.float16).max))
+
+
 def pack(weight: torch.Tensor, rows: int):
     """`weight` [out, in] repacked for a cpu's matmul at about `rows` rows of input: a float32 one at half precision
     for fbgemm, another reordered for oneDNN; None where there is no such kernel: a card, a build without them, or
     bf16 on a cpu without AVX-512 (oneDNN refuses it there). The result is opaque: only `linear` reads it."""
     if weight.device.type != "cpu":
         return None
-    if weight.dtype == torch.float32 and "fbgemm" in torch.backends.quantized.supported_engines \
-            and weight.abs().max() < torch.finfo(torch.float16).max:
+    if at_half_precision(weight):
         cap_fbgemm_like_torch()  # before fbgemm's first matmul reads its cap
         return torch.ops.quantized.linear_prepack_fp16(weight, None)
     if not torch.backends.mkldnn.is_available():

@@ -21,14 +21,14 @@ class HFGenerator:
     trainer's own modules (`decode`). Both prefill each distinct prompt once and copy its cache to its G rows,
     and sample with exactly the settings the trainer's log-probs assume (temperature, top-p, nothing else): the
     model's own `generation_config` (a repetition penalty, top-k, banned words) plays no part. With
-    `report_logprobs` it returns its own log-probs of what it sampled, as the vLLM engine does (tests and
-    `minigrpo doctor` compare them with the trainer's)."""
+    `report_logprobs`, and always where the fixed-shape decoder rounds the weights, it returns its own log-probs of
+    what it sampled, as the vLLM engine does (the loss corrects for their gap to the trainer's; tests and
+    `minigrpo doctor` compare them)."""
 
     def __init__(self, model, tokenizer, report_logprobs: bool = False, decoder: str = "auto", say=print):
         self.model = model
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = _eos_ids(model, tokenizer)
-        self.report_logprobs = report_logprobs
         self.decoder, self.say, self.static = decoder, say, None
         if decoder != "eager":
             try:
@@ -37,6 +37,9 @@ class HFGenerator:
                 if decoder == "static":
                     raise ValueError(f"--decoder static cannot decode this model: {why}; use --decoder auto") from None
                 say(f"decoding token by token through the model's own modules: {why}")
+        # a fixed-shape decoder whose weights stream at half precision (a cpu's float32 ones) always reports: its
+        # log-probs are not the trainer's, so the loss corrects for the gap and the run logs it
+        self.report_logprobs = report_logprobs or (self.static is not None and self.static.rounds)
 
     def sync(self, model) -> None:
         if self.static is not None:  # the adapter's new weights into the fixed-shape decoder's tensors, in place

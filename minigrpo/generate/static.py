@@ -14,8 +14,8 @@ waiting. This decoder reads the same weights through a flat, fixed-shape step in
   fits in it (no more rows or length, and at least half of its rows used) reuses it, graphs and all, so an
   episode's turns share one, and so do rollouts of other kinds (the reference's or a judge's without the
   adapter, an evaluation's temperature), each kind's graph captured once into the state's one memory pool; any
-  other rollout frees it first, then builds its own. Its memory is one state's
-  (`held_bytes`), which `plan.py` counts through training;
+  other rollout frees it first, then builds its own. Its memory is one state's (`held_bytes`), which `plan.py`
+  counts through training;
 - rotary embeddings as one small batched matmul per layer, from a rotation built once per token;
 - sampling (`sampling.sample`, the trainer's temperature and top-p) inside the step, its tokens and log-probs
   written to device buffers; the host reads "has every row ended?" once per `CHECK_EVERY` tokens.
@@ -68,6 +68,7 @@ class StaticDecoder:
                 block[name] = Projection([getattr(getattr(layer, part), n) for n in names], stream)
             self.blocks.append(block)
         self.mixed_bmm = _has_mixed_bmm(inner.device)
+        self.rounds = any(b[n].rounds for b in self.blocks for n in GROUPS)  # a cpu's float32 weights: `fused.pack`
         self.head_packed, self.packed_rows = None, 0  # the lm head repacked as the projections are (`fused.pack`)
         self.held: dict | None = None  # the one state kept: its buffers and, on a card, a graph per kind
         self.states_built = 0  # how many times a batch shape's buffers were made
@@ -104,8 +105,7 @@ class StaticDecoder:
 
     # one new token for every row: the whole per-token work, with no python branch on tensor values
     def _forward(self, s: dict, adapters: bool) -> torch.Tensor:
-        b, H, hd = s["token"].shape[0], self.heads, self.head_dim
-        group = H // self.kv_heads
+        b, H, hd, group = s["token"].shape[0], self.heads, self.head_dim, self.heads // self.kv_heads
         cos_sin = s["rotary"].index_select(0, s["position"])  # [b, 2, hd]
         half = hd // 2
         rotation = (torch.diag_embed(cos_sin[:, 0]) + torch.diag_embed(cos_sin[:, 1, half:], offset=half)
