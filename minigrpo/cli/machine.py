@@ -143,7 +143,8 @@ def bench_trl(
 @config_flags("task", "steps", "eval_every", "eval_prompts", "eval_samples",
               helps={"eval_every": "Evaluate every this many steps too, for the curve (0: before and after only)."})
 def bench_learn(
-    seed: list[int] = typer.Option([0, 1, 2], min=0, help="A seed to train under (repeat) [default: 0, 1, 2]."),
+    seed: list[int] = typer.Option([0, 1, 2], min=0, show_default=False,
+                                   help="A seed to train under (repeat) [default: 0, 1, 2]."),
     set_: list[str] = typer.Option([], "--set", help="key=value of any train setting (repeat) [default: none]."),
     with_trl: bool = typer.Option(False, help="Train the same through TRL's GRPOTrainer too (pip install trl)."),
     out: str = typer.Option("cards", help="Folder for the card (NAME.json, NAME.md) and its runs (runs/)."),
