@@ -1,6 +1,7 @@
 """`minigrpo bench model` on CPU: it trains each setting for real and prints what it measured and a plan.
 (The figures themselves are for people to read, not for asserts: these machines are too noisy to time.)"""
 
+import torch
 from rich.console import Console
 
 from minigrpo.bench.steps import bench_model
@@ -89,6 +90,23 @@ def test_the_avx2_caps_make_a_run_compute_as_an_avx2_cpu_computes():
                           timeout=120)
     assert done.returncode == 0 and done.stdout.startswith("False "), done.stderr[-500:]
     assert "avx512_bf16" not in done.stdout
+
+
+def test_the_profile_counts_each_kernel_a_decoder_multiplies_with_as_a_projection():
+    """Whichever kernel `pack` chose for a weight (fbgemm's half precision, oneDNN's order, none), its matmul is
+    counted among the projections, not the other ops."""
+    from minigrpo.bench.profile import _kind
+    from minigrpo.generate.fused import linear, pack
+
+    weight, x = torch.randn(64, 32), torch.randn(4, 32)
+    packs = {"none": None, "fp32": pack(weight, 4), "bf16": pack(weight.bfloat16(), 4)}
+    for name, packed in packs.items():
+        w = weight.bfloat16() if name == "bf16" else weight
+        rows = x.to(w.dtype)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+            linear(rows, w, None, packed)
+        top = [e for e in prof.events() if e.cpu_parent is None]
+        assert [_kind(e, vocab=49152) for e in top] == ["projections"], (name, [e.name for e in top])
 
 
 def test_the_profile_splits_a_real_step_into_phases_each_with_its_floor():

@@ -26,7 +26,8 @@ import torch
 from minigrpo.config import TrainConfig
 from minigrpo.generate.fused import Projection
 
-PROJECTIONS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "mkldnn::_linear_pointwise"}
+PROJECTIONS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "mkldnn::_linear_pointwise",
+               "quantized::linear_dynamic_fp16"}  # every kernel `fused.linear` may call
 ATTENTION = {"aten::bmm", "aten::baddbmm", "aten::softmax", "aten::_softmax", "aten::index_copy_",
              "aten::index_select", "aten::diag_embed"}
 CASTS = {"aten::to", "aten::_to_copy", "aten::copy_"}
