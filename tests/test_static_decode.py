@@ -63,6 +63,34 @@ def test_a_finished_row_ends_at_its_eos_while_the_others_go_on(depth_model):
     assert tokens == eager and len(tokens[0]) == probe[0].index(eos) + 1 and tokens[0][-1] == eos
 
 
+def test_on_a_cpu_rows_that_end_leave_the_batch_and_the_others_keep_their_own_cache(depth_model):
+    """Sampled, with the third token row 0 draws made the eos: that row ends, and from the next host read on the
+    decode steps run without it (no captured graph holds a cpu's shapes), while each row that goes on still reads
+    its own cache, mask and position: the trainer's log-probs of every returned completion are the sampler's, in
+    this rollout and in the next one, which reuses the state whose rows the first moved."""
+    policy = _policy(depth_model, False)
+    static = StaticDecoder.build(policy)
+    sampling = Sampling(4, 3 * CHECK_EVERY, 1.0)
+    torch.manual_seed(5)
+    eos = static.decode(PROMPTS, sampling, [511], 0)[0][0][2]
+    rows_per_step, step = [], static._step
+    static._step = lambda s, *rest: (rows_per_step.append(len(s["token"])), step(s, *rest))[1]
+    lengths = {}
+    for seed in (5, 6):
+        torch.manual_seed(seed)
+        tokens, logps = static.decode(PROMPTS, sampling, [eos], 0)
+        lengths[seed] = [len(row) for row in tokens]
+        rows = [(PROMPTS[i // 4], c) for i, c in enumerate(tokens)]
+        ids, attention, mask = pad_batch(rows, 0, "cpu")
+        with torch.no_grad():
+            trainer = token_logprobs(policy, ids, attention, mask.shape[1])  # [B, T]
+        gap = (trainer[mask] - torch.tensor([x for row in logps for x in row])).abs().max().item()
+        assert gap < 1e-3, (seed, gap)  # half-precision weights on a cpu (fused.pack); another row's cache: far more
+    assert lengths[5][0] == 3 and max(lengths[5]) == 3 * CHECK_EVERY, lengths  # the draws are the probe's until then
+    assert rows_per_step[0] == 8 and min(rows_per_step) < 8, rows_per_step
+    assert static.states_built == 2  # the probe's (another eos), then one for both rollouts
+
+
 def test_a_decoder_reading_float32_weights_at_half_precision_reports_its_logprobs(depth_model):
     """On a cpu the fixed-shape decoder streams float32 weights at half precision (`fused.pack`): its log-probs are
     not the trainer's, so its generator hands them to the loss (which corrects for the gap) and the run's log, asked

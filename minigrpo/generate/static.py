@@ -9,8 +9,10 @@ waiting. This decoder reads the same weights through a flat, fixed-shape step in
   fused tensor, so no second copy), and the LoRA adapters beside them, unmerged, in two small matmuls per
   fused projection (`A` stacked, `B` block-diagonal with the scaling folded in);
 - a static key/value cache sized for the rollout (rows rounded up to a power of two, its length up to a multiple
-  of `LENGTH_STEP`, or to an episode's whole length); a finished row keeps decoding masked and its tokens past
-  eos are dropped at the end, so no shape changes. The decoder holds one such state at a time: a rollout that
+  of `LENGTH_STEP`, or to an episode's whole length); on a card a finished row keeps decoding masked, so no shape
+  changes, and its tokens past eos are dropped at the end; on a cpu, with no graph to keep, finished rows leave
+  the batch every `CHECK_EVERY` tokens (`_drop_finished`: at the `bench trl` setting a fifth of the rows' steps
+  were spent on rows that had ended). The decoder holds one such state at a time: a rollout that
   fits in it (no more rows or length, and at least half of its rows used) reuses it, graphs and all, so an
   episode's turns share one, and so do rollouts of other kinds (the reference's or a judge's without the
   adapter, an evaluation's temperature), each kind's graph captured once into the state's one memory pool; any
@@ -234,21 +236,51 @@ class StaticDecoder:
         if dev.type == "cuda" and kind not in held["graphs"]:
             held["graphs"][kind] = self._capture(s, sampling, adapters, held["pool"])
         graph = held["graphs"].get(kind)
-        made = 1
+        order = torch.arange(len(s["done"]), device=dev)  # which row of the batch each state row holds
+        live, made = s, 1
         while made < n:
-            if made % CHECK_EVERY == 1 and bool(s["done"].all()):  # the one host read, every few tokens
-                break
+            if made % CHECK_EVERY == 1:  # the one host read, every few tokens
+                ended = int(live["done"].sum())
+                if ended == len(live["done"]):
+                    break
+                if ended and graph is None:  # no captured shape to keep: finished rows stop costing a step
+                    live = self._live(s, self._drop_finished(s, len(live["done"]), order))
             if graph is not None:
                 graph.replay()
             else:
-                self._step(s, sampling, adapters)
+                self._step(live, sampling, adapters)
             made += 1
-        tokens, logps = s["tokens"][:P * G, :made].tolist(), s["logps"][:P * G, :made].tolist()
+        back = order.argsort()[:P * G]  # each row of the batch, in its order
+        tokens, logps = s["tokens"][back, :made].tolist(), s["logps"][back, :made].tolist()
         eos = set(eos_ids)
         for row in range(len(tokens)):  # each row ends at its first eos; what a finished row sampled after is dropped
             end = next((j + 1 for j, tok in enumerate(tokens[row]) if tok in eos), made)
             tokens[row], logps[row] = tokens[row][:end], logps[row][:end]
         return tokens, logps
+
+    def _drop_finished(self, s: dict, b: int, order: torch.Tensor) -> int:
+        """The unfinished rows among the state's first `b` moved to its front, in place: their cache, mask and
+        place; every row's tokens and log-probs are kept, the finished ones' behind them, and `order` is permuted
+        the same way. Returns how many rows still decode."""
+        done = s["done"][:b]
+        keep = (~done).nonzero().squeeze(-1)  # [k]
+        moved = torch.cat([keep, done.nonzero().squeeze(-1), torch.arange(b, len(order), device=order.device)])
+        for row_wise in (s["tokens"], s["logps"], s["done"], order):
+            row_wise.copy_(row_wise[moved])
+        k = len(keep)
+        s["token"][:k], s["position"][:k] = s["token"][keep], s["position"][keep]
+        heads = (keep[:, None] * self.kv_heads + torch.arange(self.kv_heads, device=keep.device)).reshape(-1)
+        s["mask"][:k * self.kv_heads] = s["mask"][heads]  # [k Hkv, 1, T]
+        for cache in (*s["keys"], *s["values"]):
+            cache[:k] = cache[keep]  # [k, Hkv, T, hd]
+        return k
+
+    def _live(self, s: dict, k: int) -> dict:
+        """The state's first `k` rows, as views: what a decode step reads and writes while the rest have ended."""
+        rows = {name: s[name][:k] for name in ("token", "position", "tokens", "logps", "done")}
+        heads = {name: [t[:k * self.kv_heads] for t in s[name]] for name in ("keys_t", "values_v")}
+        return {**s, **rows, **heads, "keys": [t[:k] for t in s["keys"]], "values": [t[:k] for t in s["values"]],
+                "mask": s["mask"][:k * self.kv_heads]}
 
     @torch.no_grad()
     def prefill(self, s: dict, prompt_ids: list[list[int]], G: int, pad_id: int) -> torch.Tensor:
