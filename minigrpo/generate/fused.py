@@ -130,3 +130,14 @@ def dense_copy_gb(inner, stream: torch.dtype) -> float:
     quantized = [m for m in inner.model.layers.modules()  # the 4-bit layers themselves, not PEFT's wrappers of them
                  if not hasattr(m, "base_layer") and getattr(getattr(m, "weight", None), "quant_state", None)]
     return sum(m.out_features * m.in_features for m in quantized) * torch.finfo(stream).bits / 8 / 2**30
+
+
+def has_mixed_bmm(device: torch.device) -> bool:
+    """Does this device multiply 16-bit matrices into a float32 result (`bmm(..., out_dtype=)`: CUDA builds)?"""
+    if device.type != "cuda":
+        return False
+    try:
+        a = torch.zeros(1, 1, 8, dtype=torch.float16, device=device)
+        return torch.bmm(a, a.transpose(1, 2), out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False

@@ -8,6 +8,7 @@ whole vocabulary; `kept_logmass` is what puts the two on one footing for the imp
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -56,8 +57,6 @@ def sample(logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torc
     race = torch.rand_like(logp).clamp_(min=torch.finfo(logp.dtype).tiny).log_().neg_()
     token = (logp.exp() / race).argmax(-1)  # [b]: a masked token's score is exactly 0, a kept one's above 0
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
-
-
 
 
 def kept_logmass(logits: torch.Tensor, targets: torch.Tensor, top_p: float,
@@ -109,3 +108,23 @@ def _bisected(probs: torch.Tensor, top_p: float, steps: int = 40) -> tuple[torch
         above = (probs * (probs > middle[:, None])).sum(-1) <= top_p  # [r]
         low, high = torch.where(above, low, middle), torch.where(above, middle, high)
     return (probs * (probs > low[:, None])).sum(-1), high  # [r], [r]
+
+
+@contextlib.contextmanager
+def rng_kept(device: torch.device):
+    """The device's random state restored after the block: a graph's warm-up and capture draw nothing for good.
+
+    >>> _ = torch.manual_seed(1)
+    >>> with rng_kept(torch.device("cpu")):
+    ...     _ = torch.rand(5)
+    >>> first = torch.rand(1)
+    >>> _ = torch.manual_seed(1)
+    >>> bool(torch.rand(1) == first)
+    True
+    """
+    cuda = device.type == "cuda"
+    state = torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.cuda.set_rng_state(state, device) if cuda else torch.set_rng_state(state)

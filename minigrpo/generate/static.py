@@ -9,15 +9,13 @@ waiting. This decoder reads the same weights through a flat, fixed-shape step in
   fused tensor, so no second copy), and the LoRA adapters beside them, unmerged, in two small matmuls per
   fused projection (`A` stacked, `B` block-diagonal with the scaling folded in);
 - a static key/value cache sized for the rollout (rows rounded up to a power of two, its length up to a multiple
-  of `LENGTH_STEP`, or to an episode's whole length); on a card a finished row keeps decoding masked, so no shape
-  changes, and its tokens past eos are dropped at the end; on a cpu, with no graph to keep, finished rows leave
-  the batch every `CHECK_EVERY` tokens (`_drop_finished`: at the `bench trl` setting a fifth of the rows' steps
-  were spent on rows that had ended). The decoder holds one such state at a time: a rollout that
-  fits in it (no more rows or length, and at least half of its rows used) reuses it, graphs and all, so an
-  episode's turns share one, and so do rollouts of other kinds (the reference's or a judge's without the
-  adapter, an evaluation's temperature), each kind's graph captured once into the state's one memory pool; any
-  other rollout frees it first, then builds its own. Its memory is one state's (`held_bytes`), which `plan.py`
-  counts through training;
+  of `LENGTH_STEP`, or to an episode's whole length); a finished row keeps decoding masked on a card (no shape
+  changes), its tokens past eos dropped at the end, and leaves the batch on a cpu (`_drop_finished`). The decoder
+  holds one such state at a time: a rollout that fits in it (no more rows or length, and at least half of its
+  rows used) reuses it, graphs and all, so an episode's turns share one, and so do rollouts of other kinds (the
+  reference's or a judge's without the adapter, an evaluation's temperature), each kind's graph captured once
+  into the state's one memory pool; any other rollout frees it first, then builds its own. Its memory is one
+  state's (`held_bytes`), which `plan.py` counts through training;
 - rotary embeddings as one small batched matmul per layer, from a rotation built once per token;
 - sampling (`sampling.sample`, the trainer's temperature and top-p) inside the step, its tokens and log-probs
   written to device buffers; the host reads "has every row ended?" once per `CHECK_EVERY` tokens.
@@ -30,16 +28,15 @@ says why and the caller decodes as before.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
 
-from minigrpo.generate.fused import Projection, dense_copy_gb, lasts, linear, pack
+from minigrpo.generate.fused import Projection, dense_copy_gb, has_mixed_bmm, lasts, linear, pack
 from minigrpo.memory import LENGTH_STEP, prefill_prompts, rows_bucket
 from minigrpo.model import cache_keyword
-from minigrpo.generate.sampling import Sampling, sample
+from minigrpo.generate.sampling import Sampling, rng_kept, sample
 
 CHECK_EVERY = 8  # new tokens between host reads of "has every row ended?" (the only sync while decoding)
 LAYOUTS = ("llama", "qwen2", "mistral")  # pre-norm blocks, rotary attention, SwiGLU: the step below
@@ -69,7 +66,7 @@ class StaticDecoder:
             for name, (part, names) in GROUPS.items():
                 block[name] = Projection([getattr(getattr(layer, part), n) for n in names], stream)
             self.blocks.append(block)
-        self.mixed_bmm = _has_mixed_bmm(inner.device)
+        self.mixed_bmm = has_mixed_bmm(inner.device)
         self.rounds = any(b[n].rounds for b in self.blocks for n in GROUPS)  # a cpu's float32 weights: `fused.pack`
         self.head_packed, self.packed_rows = None, 0  # the lm head repacked as the projections are (`fused.pack`)
         self.held: dict | None = None  # the one state kept: its buffers and, on a card, a graph per kind
@@ -244,7 +241,7 @@ class StaticDecoder:
                 if ended == len(live["done"]):
                     break
                 if ended and graph is None:  # no captured shape to keep: finished rows stop costing a step
-                    live = self._live(s, self._drop_finished(s, len(live["done"]), order))
+                    live = self._drop_finished(s, len(live["done"]), order)
             if graph is not None:
                 graph.replay()
             else:
@@ -258,29 +255,24 @@ class StaticDecoder:
             tokens[row], logps[row] = tokens[row][:end], logps[row][:end]
         return tokens, logps
 
-    def _drop_finished(self, s: dict, b: int, order: torch.Tensor) -> int:
-        """The unfinished rows among the state's first `b` moved to its front, in place: their cache, mask and
-        place; every row's tokens and log-probs are kept, the finished ones' behind them, and `order` is permuted
-        the same way. Returns how many rows still decode."""
+    def _drop_finished(self, s: dict, b: int, order: torch.Tensor) -> dict:
+        """The unfinished rows among the state's first `b` moved to its front, in place (their cache, mask and place;
+        every row's tokens and log-probs kept, the finished ones' behind them, `order` permuted alike), and views of
+        them: what the next decode steps read and write."""
         done = s["done"][:b]
         keep = (~done).nonzero().squeeze(-1)  # [k]
         moved = torch.cat([keep, done.nonzero().squeeze(-1), torch.arange(b, len(order), device=order.device)])
         for row_wise in (s["tokens"], s["logps"], s["done"], order):
             row_wise.copy_(row_wise[moved])
-        k = len(keep)
-        s["token"][:k], s["position"][:k] = s["token"][keep], s["position"][keep]
-        heads = (keep[:, None] * self.kv_heads + torch.arange(self.kv_heads, device=keep.device)).reshape(-1)
-        s["mask"][:k * self.kv_heads] = s["mask"][heads]  # [k Hkv, 1, T]
+        k, kh = len(keep), len(keep) * self.kv_heads
+        heads = (keep[:, None] * self.kv_heads + torch.arange(self.kv_heads, device=keep.device)).reshape(-1)  # [kh]
+        s["token"][:k], s["position"][:k], s["mask"][:kh] = s["token"][keep], s["position"][keep], s["mask"][heads]
         for cache in (*s["keys"], *s["values"]):
             cache[:k] = cache[keep]  # [k, Hkv, T, hd]
-        return k
-
-    def _live(self, s: dict, k: int) -> dict:
-        """The state's first `k` rows, as views: what a decode step reads and writes while the rest have ended."""
         rows = {name: s[name][:k] for name in ("token", "position", "tokens", "logps", "done")}
-        heads = {name: [t[:k * self.kv_heads] for t in s[name]] for name in ("keys_t", "values_v")}
-        return {**s, **rows, **heads, "keys": [t[:k] for t in s["keys"]], "values": [t[:k] for t in s["values"]],
-                "mask": s["mask"][:k * self.kv_heads]}
+        views = {name: [t[:kh] for t in s[name]] for name in ("keys_t", "values_v")}  # [kh, ...]
+        return {**s, **rows, **views, "keys": [t[:k] for t in s["keys"]], "values": [t[:k] for t in s["values"]],
+                "mask": s["mask"][:kh]}
 
     @torch.no_grad()
     def prefill(self, s: dict, prompt_ids: list[list[int]], G: int, pad_id: int) -> torch.Tensor:
@@ -342,37 +334,6 @@ class StaticDecoder:
         for k, v in saved.items():
             s[k].copy_(v)
         return graph
-
-
-@contextlib.contextmanager
-def rng_kept(device: torch.device):
-    """The device's random state restored after the block: a graph's warm-up and capture draw nothing for good.
-
-    >>> _ = torch.manual_seed(1)
-    >>> with rng_kept(torch.device("cpu")):
-    ...     _ = torch.rand(5)
-    >>> first = torch.rand(1)
-    >>> _ = torch.manual_seed(1)
-    >>> bool(torch.rand(1) == first)
-    True
-    """
-    cuda = device.type == "cuda"
-    state = torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
-    try:
-        yield
-    finally:
-        torch.cuda.set_rng_state(state, device) if cuda else torch.set_rng_state(state)
-
-
-def _has_mixed_bmm(device: torch.device) -> bool:
-    """Does this device multiply 16-bit matrices into a float32 result (`bmm(..., out_dtype=)`: CUDA builds)?"""
-    if device.type != "cuda":
-        return False
-    try:
-        a = torch.zeros(1, 1, 8, dtype=torch.float16, device=device)
-        return torch.bmm(a, a.transpose(1, 2), out_dtype=torch.float32).dtype == torch.float32
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
 
 
 def _rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
