@@ -231,8 +231,8 @@ class TrainConfig:
                                  shown="the task's own held-out split: every source holds out a tenth of its rows, "
                                        "at most 200")
 
-    micro_batch_size: int | None = knob(None, "Completions per forward/backward pass; gradients accumulate across "
-                                        "them.", panel=RUN, min=1,
+    micro_batch_size: int | None = knob(None, "Sequences per forward/backward pass (a group's short completions "
+                                        "share one); gradients accumulate across them.", panel=RUN, min=1,
                                         shown="{gpu} on a GPU, {cpu} on a cpu".format(**MICRO_BATCH))
     logprob_chunk_size: int = knob(512, "Completion tokens per lm-head chunk: bounds the logits' memory.", panel=RUN,
                                    min=1)

@@ -31,16 +31,16 @@ class TokenStats(NamedTuple):
 def token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
                 temperature: float = 1.0, chunk_size: int = 512, *, with_entropy: bool = False,
                 entropy_grad: bool = False, top_p: float = 1.0, mask: torch.Tensor | None = None,
-                shared_prompt: bool = False) -> TokenStats:
+                lanes: list[list[int]] | None = None) -> TokenStats:
     """Log-probs of the last `n_completion` tokens of each row, under `model`, at `temperature`; with
     `with_entropy`, the policy's entropy at each of those positions (detached, unless `entropy_grad`, for a loss
     with an entropy bonus); with `top_p` < 1, the log of the mass a top-p sampler keeps there (no gradient), to put
     a sampler's nucleus log-probs on this side's footing. With `mask` [B, T], only the positions it marks are
-    computed; the others read 0 (and carry no gradient). With `shared_prompt`, every row holds the same prompt
-    (one group's completions): `completion_hidden` runs it once."""
+    computed; the others read 0 (and carry no gradient). With `lanes`, every row holds the same prompt (one
+    group's completions): `completion_hidden` runs it once, and the rows each lane names end to end."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     B, L = input_ids.shape
-    hidden = completion_hidden(inner, input_ids, attention_mask, n_completion, shared_prompt)  # [B, T, H]
+    hidden = completion_hidden(inner, input_ids, attention_mask, n_completion, lanes)  # [B, T, H]
     hidden = hidden.reshape(B * n_completion, hidden.shape[-1])  # [B*T, H]: row t predicts token t
     targets = input_ids[:, L - n_completion:].reshape(-1)  # [B*T]
     where = None if mask is None else mask.reshape(-1).nonzero().squeeze(-1)  # [N] the positions computed
@@ -70,37 +70,78 @@ def token_stats(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
                    temperature: float = 1.0, chunk_size: int = 512, with_entropy: bool = False,
-                   entropy_grad: bool = False, mask: torch.Tensor | None = None, shared_prompt: bool = False):
+                   entropy_grad: bool = False, mask: torch.Tensor | None = None, lanes: list[list[int]] | None = None):
     """`token_stats`'s log-probs [B, T] (with `with_entropy`, and its entropies: a pair)."""
     stats = token_stats(model, input_ids, attention_mask, n_completion, temperature, chunk_size,
-                        with_entropy=with_entropy, entropy_grad=entropy_grad, mask=mask, shared_prompt=shared_prompt)
+                        with_entropy=with_entropy, entropy_grad=entropy_grad, mask=mask, lanes=lanes)
     return (stats.logps, stats.entropy) if with_entropy else stats.logps
 
 
 def completion_hidden(inner, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_completion: int,
-                      shared_prompt: bool = False) -> torch.Tensor:
+                      lanes: list[list[int]] | None = None) -> torch.Tensor:
     """The last hidden states [B, T, H] that predict each row's last `n_completion` tokens (row t predicts token t).
 
-    With `shared_prompt` (every row the same prompt, so none is padded on the left), the prompt runs once, as one
-    row, and its keys and values are repeated for every row: a group's completions then cost their own tokens
-    only, where each row would otherwise carry the prompt through every projection, forward and backward (at the
-    `bench trl` setting's lengths, about a third of the update's tokens). Gradients reach the prompt's pass through
-    the repeated cache, summed over the rows, as they would be over the rows' own copies. Under gradient
-    checkpointing a layer drops its cache, so there every row carries its prompt as before."""
+    With `lanes` (every row the same prompt, so none is padded on the left), the prompt runs once, as one row, and
+    its keys and values are repeated for every lane: a lane holds the completions of the rows it names end to end,
+    each attending to the prompt and to its own tokens only (`packed`). A group's completions then cost their own
+    tokens, where each row would otherwise carry the prompt through every projection, forward and backward (at the
+    `bench trl` setting's lengths, about a third of the update's tokens), and short ones share a lane instead of
+    each being padded to the longest (a tenth of the rest). Gradients reach the prompt's pass through the repeated
+    cache, summed over the lanes, as they would be over the rows' own copies. Under gradient checkpointing a layer
+    drops its cache, so there every row carries its prompt, one to a row."""
     B, L = input_ids.shape
     start = L - n_completion - 1  # the prompt's last token predicts the completion's first
-    if shared_prompt and start > 0 and not getattr(inner, "is_gradient_checkpointing", False):
+    if lanes is not None and start > 0 and not getattr(inner, "is_gradient_checkpointing", False):
         from transformers import DynamicCache
 
         decoder = inner.model
         cache = {cache_keyword(decoder): DynamicCache(config=inner.config)}
         decoder(input_ids=input_ids[:1, :start], use_cache=True, **cache)  # [1, Lp - 1]: the prompt, once
-        next(iter(cache.values())).batch_repeat_interleave(B)
-        # right padding only: a real token never attends to the pads after it, so no mask is needed
-        return decoder(input_ids=input_ids[:, start:L - 1], use_cache=True, **cache).last_hidden_state  # [B, T, H]
+        next(iter(cache.values())).batch_repeat_interleave(len(lanes))
+        lengths = attention_mask[:, L - n_completion:].sum(-1).tolist()  # [B]: each row's completion tokens
+        ids, places, mask, where = packed(input_ids[:, start:L - 1], lengths, lanes, start,
+                                          decoder.embed_tokens.weight.dtype)
+        hidden = decoder(input_ids=ids, position_ids=places, attention_mask=mask, use_cache=True,
+                         **cache).last_hidden_state  # [lanes, W, H]
+        return hidden.flatten(0, 1)[where]  # [B, T, H]
     hidden = inner.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=positions(attention_mask)).last_hidden_state  # [B, L, H]
     return hidden[:, start:L - 1]  # [B, T, H]
+
+
+def packed(inputs: torch.Tensor, lengths: list[int], lanes: list[list[int]], start: int, dtype: torch.dtype):
+    """Rows' inputs [B, T] (each the prompt's last token and its completion but the last), laid end to end in
+    lanes, after a shared prompt of `start` tokens: the lanes' token ids [l, W], their positions [l, W], the
+    attention mask [l, 1, W, start + W] (0 where a token may look, the dtype's least value where not: the prompt
+    and the earlier tokens of its own row; a lane's padding, the prompt only), and where each row's positions
+    landed in the lanes' flattened [l W] (padding points at 0) [B, T].
+
+    >>> ids, places, mask, where = packed(torch.tensor([[5, 6, 7], [5, 8, 0]]), [3, 2], [[0, 1]], 4, torch.float32)
+    >>> ids.tolist(), places.tolist(), where.tolist()
+    ([[5, 6, 7, 5, 8]], [[4, 5, 6, 4, 5]], [[0, 1, 2], [3, 4, 0]])
+    >>> ["".join(".x"[seen] for seen in row) for row in (mask[0, 0] == 0).tolist()]  # 4 prompt columns, then 5
+    ['xxxxx....', 'xxxxxx...', 'xxxxxxx..', 'xxxx...x.', 'xxxx...xx']
+    """
+    B, T = inputs.shape
+    W = max(sum(lengths[r] for r in lane) for lane in lanes)
+    ids = inputs[:1, :1].expand(len(lanes), W).clone()  # [l, W]: padding reads the prompt's last token
+    places = torch.full((len(lanes), W), start, dtype=torch.long, device=inputs.device)  # [l, W]
+    row_of = torch.full((len(lanes), W), -1, dtype=torch.long, device=inputs.device)  # [l, W]: -1 for padding
+    where = torch.zeros(B, T, dtype=torch.long, device=inputs.device)  # [B, T]
+    for lane, rows in enumerate(lanes):
+        at = 0
+        for r in rows:
+            n = lengths[r]
+            ids[lane, at:at + n] = inputs[r, :n]
+            places[lane, at:at + n] = start + torch.arange(n)
+            row_of[lane, at:at + n] = r
+            where[r, :n] = lane * W + at + torch.arange(n)
+            at += n
+    same_row = (row_of[:, :, None] == row_of[:, None, :]) & (row_of[:, None, :] >= 0)  # [l, W, W]
+    seen = same_row & torch.ones(W, W, dtype=torch.bool, device=inputs.device).tril()  # [l, W, W]
+    sees = torch.cat([seen.new_ones(len(lanes), W, start), seen], dim=-1)  # [l, W, start + W]
+    mask = torch.zeros(sees.shape, dtype=dtype, device=inputs.device).masked_fill_(~sees, torch.finfo(dtype).min)
+    return ids, places, mask[:, None], where  # [l, W], [l, W], [l, 1, W, start + W], [B, T]
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float):

@@ -26,7 +26,8 @@ class MicroBatches:
     full_mask: torch.Tensor  # [B, T]
     lengths: torch.Tensor  # [B] completion lengths
     sampler: torch.Tensor | None  # [B, T] the generator's log-probs, where it reports them
-    shared_prompt: bool = False  # each micro-batch is one group's rows, its prompt run once
+    # per micro-batch, where it is one group's rows with its prompt run once: which of its rows share each sequence
+    lanes: list[list[list[int]]] | None = None
 
 
 def micro_batches(cfg: TrainConfig, batch: Groups, pad_id: int, device) -> MicroBatches:
@@ -41,18 +42,52 @@ def micro_batches(cfg: TrainConfig, batch: Groups, pad_id: int, device) -> Micro
     sampler = padded(batch.sampler_logps, full_mask.shape) if batch.sampler_logps is not None else None  # [B, T]
     length = lambda i: len(pairs[i][0]) + len(pairs[i][1])  # noqa: E731
     # micro-batches of similar lengths, so a short completion is not padded to the step's longest. Without
-    # checkpointing they hold one group each, whose prompt then runs once (logprobs.completion_hidden); with it,
-    # any rows of similar length
-    shared = not cfg.gradient_checkpointing
-    groups = [range(g, min(g + G, len(pairs))) for g in range(0, len(pairs), G)] if shared else [range(len(pairs))]
-    chunks = [chunk for rows in groups
-              for chunk in torch.tensor(sorted(rows, key=lambda i: (-length(i), i))).split(cfg.micro_batch_size)]
+    # checkpointing they hold one group each, whose prompt then runs once and whose short completions share a
+    # sequence (logprobs.completion_hidden), `micro_batch_size` sequences at a time; with it, any rows of similar
+    # length, one to a sequence
+    if cfg.gradient_checkpointing:
+        order = sorted(range(len(pairs)), key=lambda i: (-length(i), i))
+        parts = [[[i] for i in order[k:k + cfg.micro_batch_size]] for k in range(0, len(order), cfg.micro_batch_size)]
+    else:
+        parts = []
+        for g in range(0, len(pairs), G):
+            packed = lanes({i: len(pairs[i][1]) for i in range(g, min(g + G, len(pairs)))})
+            parts += [packed[k:k + cfg.micro_batch_size] for k in range(0, len(packed), cfg.micro_batch_size)]
     # the longest first, so each later micro-batch's tensors fit in the memory the one before freed (shortest
     # first, a cpu's allocator found no freed block large enough and grew by a micro-batch's activations each time)
-    chunks.sort(key=lambda c: (-length(int(c[0])), int(c[0])))
+    parts.sort(key=lambda part: (-length(part[0][0]), part[0][0]))
+    chunks = [torch.tensor([i for lane in part for i in lane]) for part in parts]
     inputs = [pad_batch([pairs[i] for i in c], pad_id, device) for c in chunks]
     masks = [full_mask[c, :m.shape[1]].to(device) & m for c, (_, _, m) in zip(chunks, inputs)]
-    return MicroBatches(chunks, inputs, masks, full_mask, lengths, sampler, shared)
+    places = None if cfg.gradient_checkpointing else [numbered(part) for part in parts]
+    return MicroBatches(chunks, inputs, masks, full_mask, lengths, sampler, places)
+
+
+def lanes(lengths: dict[int, int]) -> list[list[int]]:
+    """Rows (row -> completion length) packed end to end into sequences no longer than the longest row, first fit
+    from the longest down: each lane the rows it holds, the lanes in the order their first rows came.
+
+    >>> lanes({0: 64, 1: 30, 2: 20, 3: 50, 4: 10, 5: 3})
+    [[0], [3, 4, 5], [1, 2]]
+    """
+    width, packed = max(lengths.values()), []
+    for row in sorted(lengths, key=lambda i: (-lengths[i], i)):
+        lane = next((lane for lane in packed if sum(lengths[i] for i in lane) + lengths[row] <= width), None)
+        if lane is None:
+            packed.append([row])
+        else:
+            lane.append(row)
+    return packed
+
+
+def numbered(part: list[list[int]]) -> list[list[int]]:
+    """Lanes of rows, as lanes of the rows' places in their micro-batch (the rows laid out lane after lane).
+
+    >>> numbered([[7], [3, 9], [4]])
+    [[0], [1, 2], [3]]
+    """
+    starts = [sum(map(len, part[:k])) for k in range(len(part))]
+    return [list(range(start, start + len(lane))) for start, lane in zip(starts, part)]
 
 
 def fixed_logps(cfg: TrainConfig, model, mb: MicroBatches, reference: bool) -> list[torch.Tensor]:
@@ -60,7 +95,7 @@ def fixed_logps(cfg: TrainConfig, model, mb: MicroBatches, reference: bool) -> l
     the --reference-adapter's weights in their place)."""
     def all_logps():
         return [token_logprobs(model, ids, att, m.shape[1], cfg.temperature, cfg.logprob_chunk_size, mask=m,
-                               shared_prompt=mb.shared_prompt) for ids, att, m in mb.inputs]
+                               lanes=mb.lanes[k] if mb.lanes else None) for k, (ids, att, m) in enumerate(mb.inputs)]
 
     with torch.no_grad():
         if not reference:
@@ -113,7 +148,7 @@ def policy_update(cfg: TrainConfig, objective: L.Objective, model, mb: MicroBatc
             with torch.set_grad_enabled(learns):
                 logps, entropy, kept = token_stats(model, ids, attention, n, cfg.temperature, cfg.logprob_chunk_size,
                                                    with_entropy=True, entropy_grad=entropy_coef > 0, top_p=top_p,
-                                                   mask=real, shared_prompt=mb.shared_prompt)  # [b, n] each
+                                                   mask=real, lanes=mb.lanes[k] if mb.lanes else None)  # [b, n]
             old = logps.detach() if old is None else old
             if mb.sampler is not None and iteration == 0:
                 on_trainer_footing[k] = mb.sampler[c, :n].to(logps.device) + kept  # [b, n]

@@ -226,10 +226,12 @@ def test_the_loss_gets_the_samplers_logprobs_where_precision_is_reduced():
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_a_groups_prompt_runs_once_with_the_same_logprobs_and_gradient(tiny_model_path, checkpointing):
-    """One group's completions share their prompt: it runs once, its keys and values repeated for every row, and
-    the log-probs and the adapter's gradient are those of each row carrying its own copy. Under gradient
-    checkpointing (where a layer drops its cache) every row carries it, as before."""
+def test_a_groups_prompt_runs_once_and_its_rows_share_lanes_with_the_same_logprobs_and_gradient(tiny_model_path,
+                                                                                                 checkpointing):
+    """One group's completions share their prompt: it runs once, its keys and values repeated for every lane, and
+    the rows each lane names run end to end in it, each seeing the prompt and its own tokens only. The log-probs
+    and the adapter's gradient are those of each row carrying its own copy of the prompt, in a row of its own.
+    Under gradient checkpointing (where a layer drops its cache) every row carries it, as before."""
     policy = load_policy(TrainConfig(lora_rank=4, load_in_4bit=False, bf16_base=False,
                                      gradient_checkpointing=checkpointing), tiny_model_path, torch.float32)
     policy.train()
@@ -238,25 +240,28 @@ def test_a_groups_prompt_runs_once_with_the_same_logprobs_and_gradient(tiny_mode
             torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(10, 5000, (9,), generator=g).tolist()
-    rows = [(prompt, torch.randint(10, 5000, (n,), generator=g).tolist()) for n in (6, 11, 3, 8)]
+    rows = [(prompt, torch.randint(10, 5000, (n,), generator=g).tolist()) for n in (6, 11, 3, 8, 5)]
     ids, attention, mask = pad_batch(rows, 0, "cpu")
     T = mask.shape[1]
     seen = []  # the token positions each pass through the decoder embeds
     hook = policy.get_base_model().model.embed_tokens.register_forward_hook(lambda m, i, o: seen.append(i[0].numel()))
     values, grads, tokens = {}, {}, {}
-    for shared in (False, True):
+    layouts = {"own rows": None, "a lane each": [[0], [1], [2], [3], [4]], "shared lanes": [[1], [3, 2], [0, 4]]}
+    for name, lanes in layouts.items():
         policy.zero_grad(set_to_none=True)
         seen.clear()
         logps = token_logprobs(policy, ids, attention, T, temperature=0.7, chunk_size=5, mask=mask,
-                               shared_prompt=shared)  # [B, T]
+                               lanes=lanes)  # [B, T]
         logps[mask].sum().backward()
-        values[shared], tokens[shared] = logps.detach(), sum(seen)
-        grads[shared] = torch.cat([p.grad.flatten() for p in policy.parameters() if p.requires_grad])
+        values[name], tokens[name] = logps.detach(), sum(seen)
+        grads[name] = torch.cat([p.grad.flatten() for p in policy.parameters() if p.requires_grad])
     hook.remove()
-    assert torch.allclose(values[True][mask], values[False][mask], atol=1e-5)
-    assert (grads[True] - grads[False]).norm() < 5e-4 * grads[False].norm()
-    assert tokens[False] == ids.numel()
-    assert tokens[True] == (ids.numel() if checkpointing else len(prompt) - 1 + len(rows) * T)
+    for name in ("a lane each", "shared lanes"):
+        assert torch.allclose(values[name][mask], values["own rows"][mask], atol=1e-5), name
+        assert (grads[name] - grads["own rows"]).norm() < 5e-4 * grads["own rows"].norm(), name
+    assert tokens["own rows"] == ids.numel()
+    assert tokens["a lane each"] == (ids.numel() if checkpointing else len(prompt) - 1 + len(rows) * T)
+    assert tokens["shared lanes"] == (ids.numel() if checkpointing else len(prompt) - 1 + 3 * 11)
 
 
 def test_micro_batches_hold_one_group_each_without_checkpointing():
@@ -276,4 +281,10 @@ def test_micro_batches_hold_one_group_each_without_checkpointing():
         longest = [max(len(prompts[int(i) // G]) + len(completions[int(i)]) for i in c) for c in mb.chunks]
         assert longest == sorted(longest, reverse=True)  # the longest first
         one_group = all(len({int(i) // G for i in c}) == 1 for c in mb.chunks)
-        assert mb.shared_prompt == one_group == (not checkpointing)
+        assert (mb.lanes is not None) == one_group == (not checkpointing)
+        if mb.lanes is not None:  # a group's short completions share sequences no longer than its longest
+            assert len(mb.chunks) == 3  # one micro-batch a group: 3, 3 and 2 lanes; 6 micro-batches one to a row
+            for chunk, lanes in zip(mb.chunks, mb.lanes):
+                widths = [sum(len(completions[int(chunk[j])]) for j in lane) for lane in lanes]
+                assert len(lanes) <= 3 and max(widths) == max(len(completions[int(i)]) for i in chunk)
+                assert sorted(j for lane in lanes for j in lane) == list(range(len(chunk)))

@@ -166,12 +166,12 @@ class Recorder:
         self.decode_rows = rows
 
     def forward(self, label: str):
-        def count(model, ids, attention, n, *args, mask=None, shared_prompt=False, **kwargs):
+        def count(model, ids, attention, n, *args, mask=None, lanes=None, **kwargs):
             s = self.shapes
             completion = mask.sum().item() if mask is not None else n * len(ids)
             lengths = attention.sum(-1).double()
             tokens = attention.sum().item()
-            if shared_prompt:  # the prompt once, then each row's completion (logprobs.completion_hidden)
+            if lanes is not None:  # the prompt once, then each row's completion (logprobs.completion_hidden)
                 tokens -= (len(ids) - 1) * (ids.shape[1] - n)
             for phase in (label, "backward") if torch.is_grad_enabled() else (label,):
                 work = self.work[phase]
