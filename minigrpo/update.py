@@ -51,8 +51,7 @@ def micro_batches(cfg: TrainConfig, batch: Groups, pad_id: int, device) -> Micro
     else:
         parts = []
         for g in range(0, len(pairs), G):
-            packed = lanes({i: len(pairs[i][1]) for i in range(g, min(g + G, len(pairs)))})
-            parts += [packed[k:k + cfg.micro_batch_size] for k in range(0, len(packed), cfg.micro_batch_size)]
+            parts += packed({i: len(pairs[i][1]) for i in range(g, min(g + G, len(pairs)))}, cfg.micro_batch_size)
     # the longest first, so each later micro-batch's tensors fit in the memory the one before freed (shortest
     # first, a cpu's allocator found no freed block large enough and grew by a micro-batch's activations each time)
     parts.sort(key=lambda part: (-length(part[0][0]), part[0][0]))
@@ -63,21 +62,29 @@ def micro_batches(cfg: TrainConfig, batch: Groups, pad_id: int, device) -> Micro
     return MicroBatches(chunks, inputs, masks, full_mask, lengths, sampler, places)
 
 
-def lanes(lengths: dict[int, int]) -> list[list[int]]:
-    """Rows (row -> completion length) packed end to end into sequences no longer than the longest row, first fit
-    from the longest down: each lane the rows it holds, the lanes in the order their first rows came.
+def packed(lengths: dict[int, int], size: int) -> list[list[list[int]]]:
+    """One group's rows (row -> completion length) as micro-batches of at most `size` sequences: each as wide as
+    the longest row left, its rows laid end to end in them, first fit from the longest down; a row that fits in
+    none waits for the next micro-batch. A short completion then fills the room beside a longer one, where it was
+    padded to its micro-batch's longest, and no micro-batch is wider than one row to a sequence made it.
 
-    >>> lanes({0: 64, 1: 30, 2: 20, 3: 50, 4: 10, 5: 3})
-    [[0], [3, 4, 5], [1, 2]]
+    >>> packed({0: 64, 1: 30, 2: 20, 3: 50, 4: 10, 5: 3}, 2)
+    [[[0], [3, 4, 5]], [[1], [2]]]
     """
-    width, packed = max(lengths.values()), []
-    for row in sorted(lengths, key=lambda i: (-lengths[i], i)):
-        lane = next((lane for lane in packed if sum(lengths[i] for i in lane) + lengths[row] <= width), None)
-        if lane is None:
-            packed.append([row])
-        else:
-            lane.append(row)
-    return packed
+    left, batches = sorted(lengths, key=lambda i: (-lengths[i], i)), []
+    while left:
+        width, lanes, later = lengths[left[0]], [], []
+        for row in left:
+            lane = next((lane for lane in lanes if sum(lengths[i] for i in lane) + lengths[row] <= width), None)
+            if lane is not None:
+                lane.append(row)
+            elif len(lanes) < size:
+                lanes.append([row])
+            else:
+                later.append(row)
+        batches.append(lanes)
+        left = later
+    return batches
 
 
 def numbered(part: list[list[int]]) -> list[list[int]]:
