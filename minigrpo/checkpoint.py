@@ -17,6 +17,7 @@ import json
 import os
 import random
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -35,8 +36,7 @@ def save(run_dir: Path, step: int, state, keep: int) -> Path:
     state.model.save_pretrained(partial / "adapter")
     saved = {
         "step": step,
-        "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+        "rng": random_state(),
         "state": state.state_dict(),  # every part of the RunState, by name
     }
     torch.save(saved, partial / "state.pt")
@@ -89,13 +89,45 @@ def load(checkpoint: Path, state) -> int:
     saved = torch.load(checkpoint / "state.pt", weights_only=False)
     state.load_state_dict(saved["state"] if "state" in saved else _parts_of_an_older_save(saved))
     state.generator.sync(state.model)
-    rng = saved["rng"]
+    set_random_state(saved["rng"])
+    return saved["step"]
+
+
+def random_state() -> dict:
+    """Every process-wide random stream a run draws from (python, numpy, torch, each card's)."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_random_state(rng: dict) -> None:
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])
     if rng["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
-    return saved["step"]
+
+
+@contextmanager
+def streams_kept(generator):
+    """Every random stream of the process and of `generator` (a vLLM engine's seed stream) as it was before the
+    block: what the block draws, the run's training never sees.
+
+    >>> _ = torch.manual_seed(1)
+    >>> with streams_kept(None):
+    ...     _ = torch.rand(5), random.random()
+    >>> first = torch.rand(1)
+    >>> _ = torch.manual_seed(1)
+    >>> bool(torch.rand(1) == first)
+    True
+    """
+    saved = random_state()
+    engine = generator.state_dict() if hasattr(generator, "state_dict") else None
+    try:
+        yield
+    finally:
+        set_random_state(saved)
+        if engine is not None:
+            generator.load_state_dict(engine)
 
 
 def truncate_logs(run_dir: Path, step: int, say=print) -> None:

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from minigrpo import settle
+from minigrpo.checkpoint import streams_kept
 from minigrpo.config import TrainConfig
 from minigrpo.generate import Generator, Sampling
 from minigrpo.generate.hf import HFGenerator
@@ -37,6 +38,12 @@ class Evaluator:
     def __call__(self, step: int | None = None, with_samples: bool = True) -> dict:
         """pass@1 (greedy) and the mean reward of eval_samples samples per prompt; without samples, the mean
         reward is the greedy completions' (fast: the before/after every run gets)."""
+        # an evaluation's draws (its samples, the engine's seeds, a reward's own random numbers) go back
+        # afterwards, so a run trains the same whether, and how often, it is evaluated
+        with streams_kept(self.generator):
+            return self._evaluate(step, with_samples)
+
+    def _evaluate(self, step: int | None, with_samples: bool) -> dict:
         start = time.perf_counter()
         greedy, given = self._totals(Sampling(1, self.cfg.max_new_tokens, temperature=0.0))
         n = self.cfg.eval_samples if with_samples else 1

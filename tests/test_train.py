@@ -51,6 +51,27 @@ def test_train_two_steps_end_to_end(tmp_path, tiny_model_path):
     assert any(m["grad_norm"] > 0 for m in metrics)
 
 
+def test_evaluating_during_a_run_changes_none_of_its_training(tmp_path):
+    """A run evaluated every step, its held-out samples drawn at temperature 1, trains exactly as one evaluated
+    before and after alone: the same completions, rewards and losses (evaluations draw from every stream the
+    training does, and give the draws back)."""
+    def run(name: str, *extra: str) -> tuple[list, list]:
+        out = tmp_path / name
+        result = CliRunner().invoke(app, [
+            "train", "--task", "addition", "--steps", "2", "-G", "4", "--prompts-per-step", "2",
+            "--max-new-tokens", "12", "--eval-prompts", "4", "--seed", "3", "--out", str(out), *extra])
+        assert result.exit_code == 0, result.output
+        lines = lambda name: [json.loads(line) for line in (out / name).read_text().splitlines()]  # noqa: E731
+        trained = [(m["reward/mean"], m["loss"], m["completion_len/mean"]) for m in lines("metrics.jsonl")]
+        return trained, [s["completion"] for s in lines("samples.jsonl")], lines("eval.jsonl")
+
+    trained, completions, evals = run("evaluated", "--eval-every", "1", "--eval-samples", "2", "--sample-every", "1")
+    assert [(e["step"], e["samples_per_prompt"]) for e in evals] == [(0, 2), (1, 2), (2, 2)]
+    alone, alone_completions, _ = run("alone", "--sample-every", "1")
+    assert completions == alone_completions and len(completions) == 2 * 2 * 4
+    assert trained == alone
+
+
 def test_bad_settings_fail_before_loading():
     result = CliRunner().invoke(app, ["train", "--num-generations", "1"])
     assert result.exit_code != 0

@@ -75,6 +75,20 @@ def test_the_engine_answers_as_the_base_model_for_the_in_memory_judge(setup):
     assert engine.generate(prompts, greedy).completion_ids == hf.generate(prompts, greedy).completion_ids
 
 
+def test_an_evaluation_leaves_the_engines_seed_stream_where_it_was(setup):
+    """The engine seeds each prompt from a stream of its own; what an evaluation draws from it goes back."""
+    from minigrpo.checkpoint import streams_kept
+
+    policy, tokenizer, engine = setup
+    prompt = tokenizer(render_prompt(tokenizer, "Add 2 and 5."), add_special_tokens=False).input_ids
+    sampled = Sampling(n=2, max_new_tokens=4, temperature=1.0)
+    before = engine.rng.getstate()
+    with streams_kept(engine):
+        engine.generate([prompt, prompt], sampled)
+        assert engine.rng.getstate() != before  # it did draw
+    assert engine.rng.getstate() == before
+
+
 def test_rollout_log_probs_match_the_trainer(setup):
     policy, tokenizer, engine = setup
     prompt = tokenizer(render_prompt(tokenizer, "Add 4 and 4."), add_special_tokens=False).input_ids
