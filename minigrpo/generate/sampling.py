@@ -8,7 +8,6 @@ whole vocabulary; `kept_logmass` is what puts the two on one footing for the imp
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -108,23 +107,3 @@ def _bisected(probs: torch.Tensor, top_p: float, steps: int = 40) -> tuple[torch
         above = (probs * (probs > middle[:, None])).sum(-1) <= top_p  # [r]
         low, high = torch.where(above, low, middle), torch.where(above, middle, high)
     return (probs * (probs > low[:, None])).sum(-1), high  # [r], [r]
-
-
-@contextlib.contextmanager
-def rng_kept(device: torch.device):
-    """The device's random state restored after the block: a graph's warm-up and capture draw nothing for good.
-
-    >>> _ = torch.manual_seed(1)
-    >>> with rng_kept(torch.device("cpu")):
-    ...     _ = torch.rand(5)
-    >>> first = torch.rand(1)
-    >>> _ = torch.manual_seed(1)
-    >>> bool(torch.rand(1) == first)
-    True
-    """
-    cuda = device.type == "cuda"
-    state = torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
-    try:
-        yield
-    finally:
-        torch.cuda.set_rng_state(state, device) if cuda else torch.set_rng_state(state)

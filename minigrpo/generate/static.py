@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from minigrpo.generate.fused import Projection, dense_copy_gb, has_mixed_bmm, lasts, linear, pack
 from minigrpo.memory import LENGTH_STEP, prefill_prompts, rows_bucket
 from minigrpo.model import cache_keyword
-from minigrpo.generate.sampling import Sampling, rng_kept, sample
+from minigrpo.checkpoint import streams_kept
+from minigrpo.generate.sampling import Sampling, sample
 
 CHECK_EVERY = 8  # new tokens between host reads of "has every row ended?" (the only sync while decoding)
 LAYOUTS = ("llama", "qwen2", "mistral")  # pre-norm blocks, rotary attention, SwiGLU: the step below
@@ -321,7 +322,7 @@ class StaticDecoder:
     def _capture(self, s: dict, sampling: Sampling, adapters: bool, pool):
         """One decode step recorded as a CUDA graph; its state is restored, so the capture decodes nothing."""
         saved = {k: v.clone() for k, v in s.items() if isinstance(v, torch.Tensor) and k not in ("rotary", "eos")}
-        with rng_kept(self.inner.device):  # the warm-up draws, so a run's samples don't depend on when it captured
+        with streams_kept(None):  # the warm-up draws, so a run's samples don't depend on when it captured
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
