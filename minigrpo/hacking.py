@@ -31,7 +31,7 @@ from pathlib import Path
 from minigrpo.scoring import text_of
 from minigrpo.tasks import Task
 
-WINDOW = 5  # steps averaged at each end: one step is 2 prompts on a cpu preset, too few to judge by
+WINDOW = 5  # steps averaged at each end: one step is 2-4 prompts on a cpu preset, too few to judge by
 MIN_RISE = 0.1  # a rise of the mean reward smaller than this, in reward units, is not read as one
 FLAT = 0.05  # a reward function whose mean moves less than this has not moved
 LENGTH_FACTOR = 1.5

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from minigrpo.generate.sampling import kept_logmass
-from minigrpo.model import cache_keyword
+from minigrpo.model import cache_keyword, checkpointing
 
 
 class TokenStats(NamedTuple):
@@ -91,7 +91,7 @@ def completion_hidden(inner, input_ids: torch.Tensor, attention_mask: torch.Tens
     drops its cache, so there every row carries its prompt, one to a row."""
     B, L = input_ids.shape
     start = L - n_completion - 1  # the prompt's last token predicts the completion's first
-    if lanes is not None and start > 0 and not getattr(inner, "is_gradient_checkpointing", False):
+    if lanes is not None and start > 0 and not checkpointing(inner):
         from transformers import DynamicCache
 
         decoder = inner.model

@@ -169,6 +169,13 @@ def lora_parameters(model) -> list[torch.nn.Parameter]:
     return [p for n, p in model.named_parameters() if p.requires_grad and "lora_" in n]
 
 
+def checkpointing(model) -> bool:
+    """Whether a model recomputes its layers in the backward pass: `is_activation_checkpointing` where transformers
+    has it (from 5.2x on, where the old `is_gradient_checkpointing` warns, and is to go in 6), the old name before."""
+    current = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else None
+    return bool(getattr(model, current or "is_gradient_checkpointing", False))
+
+
 def cache_keyword(model) -> str:
     """The name a model's forward takes its key/value cache by: `cache` from transformers 5.24 on (where the old
     `past_key_values` warns, and is to go in 5.40), `past_key_values` before."""

